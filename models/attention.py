@@ -1,0 +1,59 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2/V3 style, causal, single device.
+
+Queries: optionally low-rank (``q_lora_rank``): D -> q_lora (RMSNorm) -> H*(nope+rope).
+Keys/values: D -> kv_lora (RMSNorm) -> H*(nope+v), plus one shared rope key of R dims per token.
+Shape legend: B batch, T sequence, D hidden, H heads, R rope dim, N nope dim, V value dim, L latent rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rope, yarn_mscale
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk_head_dim = cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
+        self.softmax_scale = qk_head_dim ** -0.5
+        if cfg.rope_factor > 1.0 and cfg.mscale_all_dim:
+            self.softmax_scale *= yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim) ** 2
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H = self.n_heads
+        if hasattr(self, "wq"):
+            q = self.wq(x_BTD)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x_BTD)))
+        q_BHTQ = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_pe = q_BHTQ.split([self.nope, self.rope], dim=-1)
+
+        kv = self.wkv_a(x_BTD)
+        kv_BTL, k_pe_BTR = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv_BTL)).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v_BHTV = kv.split([self.nope, self.v_dim], dim=-1)
+
+        cos, sin = rope
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe = apply_rope(k_pe_BTR.unsqueeze(1), cos, sin).expand(B, H, T, self.rope)
+        q_BHTQ = torch.cat([q_nope, q_pe], dim=-1)
+        k_BHTQ = torch.cat([k_nope, k_pe], dim=-1)
+        o = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True, scale=self.softmax_scale)
+        return self.wo(o.transpose(1, 2).reshape(B, T, H * self.v_dim))

@@ -1,0 +1,92 @@
+"""Building blocks shared by attention, MoE and the transformer: RMSNorm, SwiGLU MLP, rotary embedding.
+
+Shape legend: B batch, T sequence, D hidden, H heads, R rope dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x). Used for dense layers and shared experts."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)   # gate
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)   # down
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)   # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the decoupled rope dims, with YaRN when ``rope_factor > 1``.
+
+    Returns ``(inv_freq [R/2], cos_sin_scale)``.
+    """
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if cfg.rope_factor <= 1.0:
+        return inv_freq, 1.0
+
+    def correction_dim(n_rot: float) -> float:
+        return dim * math.log(cfg.original_max_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp               # 1 keeps the original frequency, 0 interpolates by the factor
+    inv_freq = inv_freq / cfg.rope_factor * (1 - extrapolation) + inv_freq * extrapolation
+    if cfg.mscale and cfg.mscale_all_dim:
+        scale = yarn_mscale(cfg.rope_factor, cfg.mscale) / yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim)
+    else:
+        scale = yarn_mscale(cfg.rope_factor, 1.0)
+    return inv_freq, scale
+
+
+def rope_cos_sin(cfg: ModelConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[T, R/2]`` (fp32) for positions 0..seq_len-1."""
+    inv_freq, scale = rope_inv_freq(cfg)
+    t = torch.arange(seq_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq.to(device))
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0,x1),(x2,x3),... of ``x [B,H,T,R]`` by the per-position angles.
+
+    The output is laid out half-split (all first members, then all second members); q and k get the
+    same layout, so attention scores equal the interleaved-complex formulation of DeepSeek's release.
+    """
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

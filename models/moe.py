@@ -1,0 +1,182 @@
+"""DeepSeekMoE: shared experts + fine-grained routed experts, sigmoid gate, group(node)-limited routing,
+aux-loss-free bias balancing and the complementary sequence-wise balance loss.
+
+The experts never move tokens themselves: the layer hands tokens to ``self.dispatcher``
+(``dispatch`` -> grouped expert compute -> ``combine``). The default ``LocalDispatcher`` is the
+single-device reference; expert parallelism (``parallel/``) swaps it for a communicating one.
+
+Shape legend: T tokens (batch*seq flattened), D hidden, E routed experts, K experts per token,
+G groups, R = T*K routed token copies, F expert intermediate size.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import MLP
+
+
+class Gate(nn.Module):
+    """Sigmoid router with node-limited top-k selection.
+
+    Selection uses ``score + expert_bias``; the gate values are the *unbiased* scores of the chosen
+    experts, normalised to sum 1 and multiplied by ``route_scale``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.topk = cfg.n_activated_experts
+        self.n_groups = cfg.n_expert_groups
+        self.n_limited = cfg.n_limited_groups
+        self.group_topk = cfg.effective_group_topk
+        self.route_scale = cfg.route_scale
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        # Balancing bias b_i: persistent (checkpointed), never trained by gradients.
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(topk_idx [T,K] int64, topk_weight [T,K] fp32, scores [T,E] fp32)``."""
+        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
+        biased_TE = scores_TE.detach() + self.expert_bias
+        if self.n_limited < self.n_groups:
+            T = x_TD.shape[0]
+            group_score_TG = biased_TE.view(T, self.n_groups, -1).topk(self.group_topk, dim=-1)[0].sum(-1)
+            keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+            keep_TG.scatter_(1, group_score_TG.topk(self.n_limited, dim=-1)[1], True)
+            keep_TE = keep_TG.repeat_interleave(self.n_experts // self.n_groups, dim=1)
+            biased_TE = biased_TE.masked_fill(~keep_TE, float("-inf"))
+        topk_idx_TK = biased_TE.topk(self.topk, dim=-1)[1]
+        w_TK = scores_TE.gather(1, topk_idx_TK)
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True) * self.route_scale
+        return topk_idx_TK, w_TK, scores_TE
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        self.expert_bias.zero_()
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as stacked weights; computes on tokens already sorted by expert."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # gate  [E,F,D]
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))   # down  [E,D,F]
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # up    [E,F,D]
+
+    def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x_RD``: token copies sorted by expert; ``tokens_per_expert [E]`` their counts."""
+        if self._grouped_mm_ok(x_RD):
+            offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(x_RD, self.w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x_RD, self.w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        return self.forward_loop(x_RD, tokens_per_expert)
+
+    def forward_loop(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Reference: one matmul chain per expert."""
+        outs = []
+        for e, x in enumerate(torch.split(x_RD, tokens_per_expert.tolist())):
+            outs.append(F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e]))
+        return torch.cat(outs) if outs else x_RD.new_zeros(0, self.w2.shape[1])
+
+    def _grouped_mm_ok(self, x_RD: torch.Tensor) -> bool:
+        # torch._grouped_mm needs 16-byte aligned strides and a floating dtype the backend supports.
+        if not hasattr(torch, "_grouped_mm") or x_RD.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if self.w1.dtype != x_RD.dtype:
+            return False
+        per_elem = x_RD.element_size()
+        return (self.w1.shape[1] * per_elem) % 16 == 0 and (self.w1.shape[2] * per_elem) % 16 == 0
+
+    def init_weights(self, std: float) -> None:
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=std)
+
+
+class LocalDispatcher:
+    """Single-device reference dispatcher: sort token copies by expert, un-sort and weight-sum back.
+
+    Deterministic (a gather, not ``index_add``), and dropless.
+    """
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Returns ``(x_RD sorted by expert, tokens_per_expert [E] int64, handle)``."""
+        K = topk_idx_TK.shape[1]
+        flat_R = topk_idx_TK.flatten()
+        order_R = torch.argsort(flat_R, stable=True)
+        tokens_per_expert = torch.bincount(flat_R, minlength=self.n_experts)
+        x_RD = x_TD[order_R // K]
+        return x_RD, tokens_per_expert, (order_R, topk_weight_TK)
+
+    def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
+        order_R, w_TK = handle
+        T, K = w_TK.shape
+        y_TKD = y_RD[torch.argsort(order_R)].view(T, K, -1)
+        return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+
+
+def sequence_balance_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) -> torch.Tensor:
+    """Complementary sequence-wise balance loss (without alpha), averaged over sequences.
+
+    ``L = sum_i f_i * P_i`` per sequence, with ``f_i = E/(K*T) * #tokens choosing i`` and
+    ``P_i = mean_t s'_{i,t}``, ``s'`` = scores normalised over all experts per token.
+    """
+    B, T, E = scores_BTE.shape
+    K = topk_idx_BTK.shape[-1]
+    with torch.no_grad():
+        counts_BE = torch.zeros(B, E, device=scores_BTE.device).scatter_add_(
+            1, topk_idx_BTK.reshape(B, T * K), torch.ones(B, T * K, device=scores_BTE.device))
+        f_BE = counts_BE * (E / (K * T))
+    p_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).mean(1)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.gate = Gate(cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim)
+        self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.dispatcher = LocalDispatcher(cfg.n_routed_experts)
+        # Routed token copies per expert, summed over training forwards since the last bias update.
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None   # sequence-wise balance loss of the last training forward
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        topk_idx_TK, topk_w_TK, scores_TE = self.gate(x_TD)
+        if self.training:
+            self.aux_loss = sequence_balance_loss(scores_TE.view(B, T, -1), topk_idx_TK.view(B, T, -1))
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(topk_idx_TK.flatten(), minlength=self.n_experts)
+        x_RD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
+        y_TD = self.dispatcher.combine(self.experts(x_RD, tokens_per_expert), handle)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.view(B, T, D)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor, gamma: float) -> None:
+        """Aux-loss-free balancing, sign rule: ``b_i += gamma * sign(mean_load - load_i)``.
+
+        ``load_E`` is the step's token count per expert over the whole global batch.
+        """
+        load_E = load_E.to(self.gate.expert_bias)
+        self.gate.expert_bias.add_(gamma * torch.sign(load_E.mean() - load_E))
+
+    def init_weights(self, std: float) -> None:
+        self.gate.init_weights(std)
+        self.experts.init_weights(std)
+        self.tokens_per_expert.zero_()

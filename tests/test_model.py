@@ -1,0 +1,118 @@
+"""Single-device model: structure rules, causality, MTP, YaRN, preset sizes."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from models import ModelConfig, build
+from models.params import count_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_models_never_import_torch_distributed():
+    offenders = []
+    for path in (ROOT / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"models/ must stay single-device: {offenders}"
+
+
+@pytest.mark.parametrize("q_lora", [0, 32])
+def test_causal(q_lora):
+    cfg = ModelConfig(q_lora_rank=q_lora, n_expert_groups=4, n_limited_groups=2, mtp_depth=1)
+    model = build(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 20))
+    ids2 = ids.clone()
+    ids2[:, 12:] = torch.randint(0, cfg.vocab_size, (2, 8))
+    a, b = model(ids), model(ids2)
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=1e-6)
+    assert (a[:, 12:] - b[:, 12:]).abs().max() > 1e-3
+
+
+def test_mtp_loss_definition():
+    """MTP depth 1 predicts the token two ahead from h_i and Emb(t_{i+1}) with the shared head."""
+    cfg = ModelConfig(mtp_depth=2, n_layers=2)
+    model = build(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 17))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    out = model.compute_loss(inputs, labels, mtp_weight=0.3)
+    h = model.hidden(inputs)
+    from models.layers import rope_cos_sin
+    ce = []
+    T = inputs.shape[1]
+    for k, mod in enumerate(model.mtp, start=1):
+        h = mod(h[:, :T - k], model.embed(inputs[:, k:]), rope_cos_sin(cfg, T - k, h.device))
+        logits = model.head(mod.norm(h))
+        ce.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, k + 1:].flatten()))
+    torch.testing.assert_close(out.mtp_loss, torch.stack(ce).mean().detach())
+    torch.testing.assert_close(out.loss.detach(), out.lm_loss + 0.3 * out.mtp_loss + out.aux_loss)
+    # MTP shares embedding and head: no separate copies.
+    assert not any("embed" in n or n.endswith("head.weight") for n, _ in model.mtp.named_parameters())
+    out.loss.backward()
+    assert model.mtp[1].eh_proj.weight.grad.abs().sum() > 0
+
+
+def test_initial_loss_is_about_ln_vocab():
+    cfg = ModelConfig()
+    model = build(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (4, 33))
+    loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    assert abs(loss.item() - torch.log(torch.tensor(1024.0)).item()) < 0.1
+
+
+def test_yarn_scales_softmax_and_changes_low_frequencies():
+    from models.layers import rope_inv_freq
+    base = ModelConfig(qk_rope_head_dim=16, original_max_seq_len=64)
+    yarn = ModelConfig(qk_rope_head_dim=16, original_max_seq_len=64, rope_factor=4.0)
+    f0, s0 = rope_inv_freq(base)
+    f1, s1 = rope_inv_freq(yarn)
+    assert s0 == s1 == 1.0  # mscale == mscale_all_dim: cos/sin unscaled, softmax scale carries mscale^2
+    assert f1[0] == f0[0]                                    # highest frequency kept (extrapolated)
+    torch.testing.assert_close(f1[-1], f0[-1] / 4)           # lowest frequency interpolated by the factor
+    from models.attention import MLA
+    ratio = MLA(yarn).softmax_scale / MLA(base).softmax_scale
+    assert ratio == pytest.approx((0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
+
+
+def test_bf16_autocast_forward_backward():
+    cfg = ModelConfig(mtp_depth=1, n_expert_groups=4, n_limited_groups=2)
+    model = build(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.compute_loss(ids, ids, mtp_weight=0.3, aux_alpha=1e-4)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and all(p.grad is not None for p in model.parameters())
+
+
+def test_v3_671b_size_on_meta():
+    model = build(models.preset("v3_671b"), "meta")
+    assert all(p.is_meta for p in model.parameters())
+    c = count_params(model)
+    assert abs(c.total - 671e9) / 671e9 < 0.005
+    assert 36.5e9 < c.activated < 38e9        # report: ~37B (counting rule in models/params.py)
+    assert 11e9 < c.mtp < 12e9                # report: MTP adds ~11.5B unique parameters
+
+
+@pytest.mark.parametrize("name,lo,hi", [("tiny", 1e6, 3e6), ("v3_small", 1e9, 3e9), ("v3_16b", 15e9, 17e9)])
+def test_presets_build_on_meta(name, lo, hi):
+    cfg = models.preset(name)
+    c = count_params(build(cfg, "meta"))
+    assert lo < c.total < hi
+    if name != "tiny":
+        assert cfg.n_routed_experts >= 64 and cfg.n_expert_groups == 8 and cfg.n_limited_groups < 8
+
+
+def test_size_tool_prints_v3_small(capsys):
+    from tools.size import main
+    assert main(["+exp=v3_small"]) == 0
+    out = capsys.readouterr().out
+    assert "total (no MTP)" in out and "2,003,142,656" in out and "activated per token" in out

@@ -1,0 +1,144 @@
+"""Gate, node-limited routing, balancing bias, sequence-wise aux loss and dropless dispatch."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import ModelConfig, build
+from models.moe import Gate, MoE, sequence_balance_loss
+
+
+def make_gate(seed=0, **kw) -> Gate:
+    cfg = ModelConfig(**{"dim": 32, "n_routed_experts": 16, "n_activated_experts": 4, "n_expert_groups": 4,
+                         "n_limited_groups": 2, "route_scale": 2.5, **kw}).validate()
+    torch.manual_seed(seed)
+    gate = Gate(cfg)
+    gate.init_weights(std=0.5)
+    return gate
+
+
+@pytest.mark.parametrize("groups,limited,topk", [(4, 2, 4), (8, 4, 8), (4, 1, 2), (2, 1, 4)])
+def test_experts_span_at_most_m_groups(groups, limited, topk):
+    gate = make_gate(n_routed_experts=32, n_expert_groups=groups, n_limited_groups=limited, n_activated_experts=topk)
+    gate.expert_bias.copy_(torch.randn(32) * 0.3)  # biases must not break the node limit either
+    x = torch.randn(500, 32)
+    idx, w, _ = gate(x)
+    groups_per_token = torch.tensor([len(set((row // (32 // groups)).tolist())) for row in idx])
+    assert groups_per_token.max() <= limited
+    assert (idx.sort(-1)[0].diff(dim=-1) > 0).all(), "a token must not pick the same expert twice"
+    # The limit is binding: without it some tokens would use more groups.
+    free = make_gate(n_routed_experts=32, n_expert_groups=groups, n_limited_groups=groups, n_activated_experts=topk,
+                     group_topk=1)
+    free.load_state_dict(gate.state_dict())
+    free_idx = free(x)[0]
+    free_groups = torch.tensor([len(set((row // (32 // groups)).tolist())) for row in free_idx])
+    assert free_groups.max() > limited
+
+
+def test_group_choice_uses_sum_of_top_k_over_m_biased_scores():
+    gate = make_gate(n_routed_experts=8, n_expert_groups=4, n_limited_groups=2, n_activated_experts=4)
+    # Hand-set scores via the bias on a zero router: sigmoid(0)=0.5 everywhere, so bias decides.
+    gate.weight.data.zero_()
+    gate.expert_bias.copy_(torch.tensor([0.9, 0.0, 0.5, 0.5, 1.0, -1.0, 0.0, 0.0]))
+    # group scores (top-2 sums of 0.5+b): g0=1.4+0.5=... g0: 1.4,0.5 -> 1.9; g1: 1.0,1.0 -> 2.0; g2: 1.5,-0.5 -> 1.0; g3: 0.5,0.5 -> 1.0
+    idx, w, _ = gate(torch.zeros(1, 32))
+    assert sorted(idx[0].tolist()) == [0, 1, 2, 3]  # groups 0 and 1, not the single best expert 4 of group 2
+    assert torch.allclose(w, torch.full_like(w, 2.5 / 4))  # equal unbiased scores -> equal gates
+
+
+def test_bias_changes_selection_not_gate_values():
+    gate = make_gate()
+    x = torch.randn(64, 32)
+    idx0, w0, scores = gate(x)
+    gate.expert_bias[5] = 10.0  # force expert 5 into every token's selection
+    idx1, w1, scores1 = gate(x)
+    assert torch.equal(scores, scores1), "bias must not enter the affinities"
+    assert (idx1 == 5).any(-1).all() and not (idx0 == 5).any(-1).all()
+    expected = scores.gather(1, idx1)
+    expected = expected / expected.sum(-1, keepdim=True) * 2.5
+    torch.testing.assert_close(w1, expected)  # gate values are unbiased scores of the chosen experts
+
+
+def test_gates_sum_to_route_scale():
+    for scale in (1.0, 2.5):
+        gate = make_gate(route_scale=scale)
+        _, w, _ = gate(torch.randn(100, 32))
+        torch.testing.assert_close(w.sum(-1), torch.full((100,), scale))
+
+
+def test_bias_update_sign_rule():
+    moe = MoE(ModelConfig(dim=32, n_routed_experts=4, n_activated_experts=2))
+    moe.gate.expert_bias.copy_(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    moe.update_bias(torch.tensor([5.0, 1.0, 3.0, 3.0]), gamma=0.01)  # mean load 3
+    torch.testing.assert_close(moe.gate.expert_bias, torch.tensor([0.09, 0.21, 0.3, 0.4]))
+
+
+def test_sequence_balance_loss_hand_computed():
+    scores = torch.tensor([[[0.8, 0.4, 0.4, 0.4], [0.1, 0.1, 0.6, 0.2]]])
+    idx = torch.tensor([[[0, 1], [2, 0]]])
+    # s' = [.4 .2 .2 .2], [.1 .1 .6 .2]; P = [.25 .15 .4 .2]; f = E/(K*T) * counts = 1 * [2 1 1 0]
+    # L = 2*.25 + 1*.15 + 1*.4 + 0 = 1.05
+    torch.testing.assert_close(sequence_balance_loss(scores, idx), torch.tensor(1.05))
+    # two sequences: mean of the per-sequence losses
+    two = sequence_balance_loss(torch.cat([scores, scores.flip(1)]), torch.cat([idx, idx.flip(1)]))
+    torch.testing.assert_close(two, torch.tensor(1.05))
+
+
+def test_aux_loss_reaches_the_objective():
+    cfg = ModelConfig(mtp_depth=0, n_expert_groups=4, n_limited_groups=2)
+    model = build(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    out = model.compute_loss(ids[:, :-1], ids[:, 1:], aux_alpha=0.5)
+    manual = 0.5 * sum(m.aux_loss for m in model.moe_layers())
+    torch.testing.assert_close(out.aux_loss, manual.detach())
+    torch.testing.assert_close(out.loss, out.lm_loss + manual.detach())
+
+
+def dense_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """Per-token loop over the chosen experts: the definition of the MoE output."""
+    idx, w, _ = moe.gate(x_TD)
+    e = moe.experts
+    out = []
+    for t in range(x_TD.shape[0]):
+        y = sum(w[t, k] * F.linear(F.silu(F.linear(x_TD[t], e.w1[i])) * F.linear(x_TD[t], e.w3[i]), e.w2[i])
+                for k, i in enumerate(idx[t].tolist()))
+        out.append(y + moe.shared_experts(x_TD[t]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("topk,limited,skew", [(2, 2, False), (2, 2, True), (1, 1, True)])
+def test_dropless_every_token_processed(topk, limited, skew):
+    cfg = ModelConfig(dim=32, n_routed_experts=8, n_activated_experts=topk, n_expert_groups=4,
+                      n_limited_groups=limited, moe_inter_dim=16, route_scale=2.5)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    moe.init_weights(0.2)
+    for m in moe.shared_experts.modules():
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, std=0.2)
+    if skew:  # every token picks expert 3 (and 2 when K=2): all other experts get zero tokens
+        moe.gate.expert_bias[3] = 100.0
+        moe.gate.expert_bias[2] = 50.0
+    moe.train()
+    x = torch.randn(2, 24, 32)
+    y = moe(x)
+    assert moe.tokens_per_expert.sum() == 2 * 24 * topk
+    if skew:
+        assert moe.tokens_per_expert[3] == 48 and (moe.tokens_per_expert == 0).sum() == 8 - topk
+    torch.testing.assert_close(y.view(48, 32), dense_reference(moe, x.view(48, 32)), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_mm_matches_loop():
+    cfg = ModelConfig(dim=32, n_routed_experts=8, moe_inter_dim=16)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    moe.init_weights(0.2)
+    x = torch.randn(40, 32, requires_grad=True)
+    counts = torch.tensor([10, 0, 5, 5, 0, 12, 8, 0])
+    assert moe.experts._grouped_mm_ok(x)
+    g = torch.randn(40, 32)
+    y1 = moe.experts(x, counts)
+    (gx1,) = torch.autograd.grad(y1, x, g)
+    y2 = moe.experts.forward_loop(x, counts)
+    (gx2,) = torch.autograd.grad(y2, x, g)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(gx1, gx2)

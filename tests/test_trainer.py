@@ -1,0 +1,130 @@
+"""Trainer: metrics, resume (bitwise), atomic checkpoints, W&B offline, CLI."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainer.checkpoint import CheckpointManager
+
+from .trainer_utils import ROOT, fast_overrides, read_jsonl, run_cli, run_inprocess
+
+REQUIRED = {"step", "loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s"}
+SMALL = ["train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=64", "train.eval_batches=1",
+         "train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def test_resume_is_bitwise_identical(tmp_path, cache):
+    common = [*fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=10"]
+    run_inprocess(tmp_path / "straight", *common, f"checkpoint.dir={tmp_path}/ck_a")
+    straight = [m["loss"] for m in read_jsonl(tmp_path / "straight/metrics.jsonl")]
+    run_inprocess(tmp_path / "split", *common, f"checkpoint.dir={tmp_path}/ck_b", "train.stop_at_step=5")
+    assert CheckpointManager(tmp_path / "ck_b").latest().name == "step_00000005"
+    run_inprocess(tmp_path / "split", *common, f"checkpoint.dir={tmp_path}/ck_b", "checkpoint.resume=auto")
+    split = read_jsonl(tmp_path / "split/metrics.jsonl")
+    assert [m["step"] for m in split] == list(range(1, 11))
+    assert [m["loss"] for m in split] == straight  # bitwise: float equality of every step's loss
+    assert len(set(straight)) > 5
+
+
+def test_metrics_jsonl_has_required_keys(tmp_path, cache):
+    run_inprocess(tmp_path / "run", *fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=3",
+                  "checkpoint.save_final=false")
+    lines = read_jsonl(tmp_path / "run/metrics.jsonl")
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert REQUIRED <= m.keys()
+    assert lines[-1]["tokens"] == 3 * 8 * 64
+    assert (tmp_path / "run/eval.jsonl").exists()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, cache):
+    """global_batch_size is independent of micro_batch_size (up to float summation order)."""
+    common = [*fast_overrides(tmp_path, cache), "train.global_batch_size=8", "data.seq_len=64", "train.max_steps=3",
+              "train.eval_batches=1", "train.eval_every=0", "checkpoint.save_final=false"]
+    run_inprocess(tmp_path / "m8", *common, "train.micro_batch_size=8")
+    run_inprocess(tmp_path / "m2", *common, "train.micro_batch_size=2")
+    a = [m["loss"] for m in read_jsonl(tmp_path / "m8/metrics.jsonl")]
+    b = [m["loss"] for m in read_jsonl(tmp_path / "m2/metrics.jsonl")]
+    assert a == pytest.approx(b, rel=1e-4)
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import torch.distributed.checkpoint.filesystem as fs
+    real = fs.FileSystemWriter.write_data
+    def write_then_die(self, plan, planner):
+        fut = real(self, plan, planner)
+        fut.wait()                                  # tensor files are on disk, metadata not yet
+        os.kill(os.getpid(), signal.SIGKILL)
+    fs.FileSystemWriter.write_data = write_then_die
+    sys.path.insert(0, {root!r})
+    from pathlib import Path
+    from tests.trainer_utils import run_inprocess
+    run_inprocess(Path({run!r}), *{overrides!r})
+""")
+
+
+def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, cache):
+    ck = tmp_path / "ck"
+    common = [*fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=6", f"checkpoint.dir={ck}",
+              "checkpoint.every=1"]
+    run_inprocess(tmp_path / "run", *common, "train.stop_at_step=3")
+    script = KILLED_SAVE.format(root=str(ROOT), run=str(tmp_path / "run"), overrides=common)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    partial = list(ck.glob(".tmp-*"))
+    assert partial and any(partial[0].iterdir()), "the killed save should have left a partial temp dir"
+    mgr = CheckpointManager(ck)
+    assert mgr.latest().name == "step_00000003"
+    assert (ck / "latest").read_text().strip() == "step_00000003"
+    # Resuming picks the complete step-3 checkpoint, cleans the partial dir and trains on.
+    run_inprocess(tmp_path / "run", *common)
+    lines = read_jsonl(tmp_path / "run/metrics.jsonl")
+    # The killed run logged step 4 before dying in its save; the resumed run redoes step 4 from step 3.
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 4, 5, 6]
+    assert lines[3]["loss"] == lines[4]["loss"]
+    assert not list(ck.glob(".tmp-*"))
+    assert mgr.latest().name == "step_00000006"
+
+
+def test_wandb_offline_run_dir_via_cli(tmp_path, cache):
+    run = tmp_path / "run"
+    proc = run_cli("+exp=tiny", "train.max_steps=2", *SMALL, f"hydra.run.dir={run}", f"data.cache_dir={cache}",
+                   "logging.wandb.mode=offline", "logging.progress=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    assert len(read_jsonl(run / "metrics.jsonl")) == 2
+    assert "done: step 2/2" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.n_limited_groups=5", "model.n_limited_groups"),
+    ("model.n_activated_experts=3", "model.n_activated_experts"),
+    ("train.global_batch_size=12", "train.global_batch_size"),
+    ("data.seq_len=4096", "data.seq_len"),
+    ("train.precision=fp16", "train.precision"),
+    ("checkpoint.resume=/nonexistent/ckpt", "checkpoint.resume"),
+])
+def test_invalid_config_fails_with_one_line_naming_the_key(tmp_path, override, key):
+    proc = run_cli("+exp=tiny", override, f"hydra.run.dir={tmp_path}/run", timeout=120)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key}"), proc.stderr
+    assert not (tmp_path / "run/metrics.jsonl").exists()
+
+
+def test_bad_data_path_fails_before_training(tmp_path):
+    proc = run_cli("+exp=tiny", "data.path=/no/such/corpus.txt", f"hydra.run.dir={tmp_path}/run", timeout=120)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data.path"), proc.stderr

@@ -1,0 +1,38 @@
+"""Helpers to compose configs and run the trainer in-process or as a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+
+from configs.schema import register, to_object, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fast_overrides(tmp: Path, cache: Path) -> list[str]:
+    return [f"data.cache_dir={cache}", "logging.wandb.mode=disabled", "logging.progress=false"]
+
+
+def make_config(*overrides: str):
+    register()
+    with initialize_config_module("configs", version_base=None):
+        return validate(to_object(compose("config", overrides=["+exp=tiny", *overrides])))
+
+
+def run_inprocess(run_dir: Path, *overrides: str) -> dict:
+    from trainer.train import Trainer
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(make_config(*overrides), run_dir).train()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)

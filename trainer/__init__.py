@@ -1,0 +1,1 @@
+"""Training entry point, loop, data, checkpoints and logging."""

@@ -1,0 +1,347 @@
+"""Training data: load a corpus, tokenize it once (cached), and serve packed, resumable batches.
+
+``load_corpus`` turns ``data_cfg`` (path / tokenizer / text_field / val_fraction / cache_dir) into two flat
+int32 token streams (documents joined by EOS). Everything runs offline: with ``data.path`` unset the corpus is
+the English help text that ships with CPython (``pydoc_data.topics``), and with ``data.tokenizer`` unset a
+byte-level BPE is trained on the training documents. Tokenizer and token arrays are cached in
+``data.cache_dir`` under a key that hashes the inputs (file stats / content, tokenizer bytes, vocab size,
+split settings), so a second call only reads two ``.npy`` files.
+
+``PackedBatches`` cuts a stream into non-overlapping windows of ``seq_len + 1`` tokens and walks a per-epoch
+permutation of them; its only state is ``consumed_samples``.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.config import ConfigError
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+EOS = "<|endoftext|>"
+_EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_CACHE_VERSION = "data-v1"
+_BATCH_DOCS = 1024
+
+
+@dataclass
+class Corpus:
+    train_tokens: np.ndarray   # 1-D int32, documents concatenated, each followed by eos_id
+    val_tokens: np.ndarray
+    eos_id: int
+    vocab_size: int            # len(tokenizer)
+    tokenizer: "transformers.PreTrainedTokenizerFast"  # noqa: F821
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _sha(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(fileobj)`` into a temp file next to ``path``, then rename over it (readers never see halves)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _files_fingerprint(files) -> list:
+    return [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+
+
+def _resolve_source(path):
+    """-> (kind, files, fingerprint). kind: 'default' | 'saved' (save_to_disk dir) | 'files'."""
+    if path is None:
+        from pydoc_data.topics import topics
+        return "default", [], ["pydoc_data", hashlib.sha256("\0".join(topics[k] for k in sorted(topics)).encode()).hexdigest()]
+    hint = "(point data.path at a .txt/.jsonl/.parquet file, a directory of them, or a saved HF dataset)"
+    p = Path(os.path.expanduser(str(path)))
+    if any(c in str(path) for c in "*?["):
+        files = sorted(f for f in glob.glob(os.path.expanduser(str(path)), recursive=True) if os.path.isfile(f))
+        if not files:
+            raise ConfigError(f"data.path: glob {path} matches no files {hint}")
+    elif not p.exists():
+        raise ConfigError(f"data.path: {path} does not exist {hint}")
+    elif p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file())
+        return "saved", [str(p)], _files_fingerprint(files)
+    elif p.is_dir():
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in _BUILDERS)
+        if not files:
+            raise ConfigError(f"data.path: directory {path} holds no .txt/.jsonl/.json/.parquet files {hint}")
+    else:
+        files = [str(p)]
+    bad = [f for f in files if Path(f).suffix.lower() not in _BUILDERS]
+    if bad:
+        raise ConfigError(f"data.path: unsupported file type {bad[0]} (expected .txt/.jsonl/.json/.parquet)")
+    return "files", files, _files_fingerprint(files)
+
+
+def _load_sources(kind, files, text_field, cache_dir: Path):
+    """-> list of single-column datasets.Dataset. Plain text is split into documents at blank lines."""
+    import datasets
+    if kind == "default":
+        from pydoc_data.topics import topics
+        return [datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)]})]
+    out = []
+    if kind == "saved":
+        ds = datasets.load_from_disk(files[0])
+        out = [(ds[k], text_field) for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [(ds, text_field)]
+    for ext in sorted({Path(f).suffix.lower() for f in files}) if kind == "files" else []:
+        builder = _BUILDERS[ext]    # empty files are skipped: they have no schema to infer
+        group = [f for f in files if Path(f).suffix.lower() == ext and os.path.getsize(f) > 0]
+        kw = {"sample_by": "paragraph"} if builder == "text" else {}
+        try:
+            if group:
+                out.append((datasets.load_dataset(builder, data_files=group, split="train",
+                                                  cache_dir=str(cache_dir / "hf_datasets"), **kw),
+                            "text" if builder == "text" else text_field))
+        except Exception as e:  # noqa: BLE001 - malformed json/parquet: report against data.path
+            c = e.__cause__ or e
+            raise ConfigError(f"data.path: cannot read {group[0]}{' ...' if len(group) > 1 else ''} as {builder}: "
+                              f"{type(c).__name__}: {(str(c).splitlines() or [''])[0]}") from e
+    for ds, col in out:
+        if col not in ds.column_names:
+            raise ConfigError(f"data.text_field: column {col!r} not in dataset columns {ds.column_names}")
+        if getattr(ds.features[col], "dtype", None) not in ("string", "large_string"):
+            raise ConfigError(f"data.text_field: column {col!r} holds {ds.features[col]}, not text")
+    return [ds.select_columns([col]).rename_column(col, "text") if col != "text" else ds.select_columns(["text"])
+            for ds, col in out]
+
+
+def _iter_docs(sources):
+    """Yield batches (lists) of non-empty documents, in a fixed order."""
+    for ds in sources:
+        for start in range(0, len(ds), _BATCH_DOCS):
+            batch = [t for t in ds[start:start + _BATCH_DOCS]["text"] if t and not t.isspace()]
+            if batch:
+                yield batch
+
+
+def _is_val_mask(n_docs: int, val_fraction: float) -> np.ndarray:
+    n_val = min(n_docs - 1, max(1, int(round(n_docs * val_fraction))))
+    mask = np.zeros(n_docs, dtype=bool)
+    mask[np.random.default_rng(0).permutation(n_docs)[:n_val]] = True
+    return mask
+
+
+def _wrap_tokenizer(tok_file: str):
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_file=tok_file, eos_token=EOS, clean_up_tokenization_spaces=False)
+
+
+def _train_bpe(sources, is_val, vocab_size: int, out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+    def train_docs():
+        i = 0
+        for batch in _iter_docs(sources):
+            keep = ~is_val[i:i + len(batch)]
+            i += len(batch)
+            yield [d for d, k in zip(batch, keep) if k]
+    tok.train_from_iterator(train_docs(), trainer=trainer)
+    _atomic_write(out, lambda f: f.write(tok.to_str().encode()))
+
+
+def _user_tokenizer(path: str):
+    """-> (tokenizer, identity hash) for a local HF tokenizer dir or a tokenizer.json file."""
+    p = Path(os.path.expanduser(path))
+    if not p.exists():
+        raise ConfigError(f"data.tokenizer: {path} does not exist (use a local HF tokenizer directory or a "
+                          f"tokenizer.json file, or leave it unset to train a BPE on the corpus)")
+    h = hashlib.sha256()   # identity = bytes of the (small) files; stats only for big ones such as weights
+    for f in [f for f in (sorted(p.iterdir()) if p.is_dir() else [p]) if f.is_file()]:
+        st = f.stat()
+        h.update(f.name.encode() + (f.read_bytes() if st.st_size < 64 << 20 else b"%d %d" % (st.st_size, st.st_mtime_ns)))
+    try:
+        if p.is_dir():
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        else:
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p), clean_up_tokenization_spaces=False)
+    except Exception as e:  # noqa: BLE001 - report any loader failure against the key
+        raise ConfigError(f"data.tokenizer: cannot load {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from e
+    return tok, h.hexdigest()
+
+
+def _eos_id(tok, name) -> int:
+    """The tokenizer's EOS id; a bare tokenizer.json gets its eos_token set from well-known names."""
+    if tok.eos_token_id is not None:
+        return int(tok.eos_token_id)
+    found = [c for c in _EOS_CANDIDATES if c in tok.get_vocab()]
+    if found:
+        tok.eos_token = found[0]
+        return int(tok.convert_tokens_to_ids(found[0]))
+    if getattr(tok, "sep_token_id", None) is not None:  # BERT-style tokenizers
+        return int(tok.sep_token_id)
+    raise ConfigError(f"data.tokenizer: {name} defines no EOS token (tried eos_token, {', '.join(_EOS_CANDIDATES)})")
+
+
+def _encode(tok, texts):
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+# -------------------------------------------------------------------------------------------- public API
+def load_corpus(data_cfg, vocab_size: int) -> Corpus:
+    """Load, split (by document), tokenize and cache ``data_cfg``'s corpus; see the module docstring."""
+    text_field = getattr(data_cfg, "text_field", "text") or "text"
+    val_fraction = float(getattr(data_cfg, "val_fraction", 0.05))
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: {val_fraction} must be in [0, 1)")
+    cache_dir = Path(os.path.expanduser(str(getattr(data_cfg, "cache_dir", None) or ".cache/data")))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    kind, files, fingerprint = _resolve_source(getattr(data_cfg, "path", None))
+    corpus_key = _sha(_CACHE_VERSION, kind, fingerprint, text_field if kind != "default" else None, val_fraction)
+    sources = is_val = None
+
+    def load_docs():
+        nonlocal sources, is_val
+        if sources is None:
+            sources = _load_sources(kind, files, text_field, cache_dir)
+            n_docs = sum(len(b) for b in _iter_docs(sources))
+            if n_docs < 2:
+                raise ConfigError(f"data.path: {data_cfg.path or 'default corpus'} holds {n_docs} non-empty "
+                                  f"document(s); need at least 2 (one train, one validation; .txt documents are split at blank lines)")
+            is_val = _is_val_mask(n_docs, val_fraction)
+
+    tok_name = getattr(data_cfg, "tokenizer", None)
+    if tok_name is None:
+        if vocab_size < 257:
+            raise ConfigError(f"model.vocab_size: {vocab_size} is too small for a byte-level BPE (needs >= 257)")
+        tok_file = cache_dir / f"tokenizer-{_sha(corpus_key, vocab_size, 'bytelevel-bpe')}.json"
+        if not tok_file.exists():
+            load_docs()
+            _train_bpe(sources, is_val, vocab_size, tok_file)
+        tokenizer, tok_id = _wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
+    else:
+        tokenizer, tok_id = _user_tokenizer(str(tok_name))
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(f"data.tokenizer: tokenizer vocab ({len(tokenizer)}) exceeds model.vocab_size "
+                          f"({vocab_size}); raise model.vocab_size")
+    eos_id = _eos_id(tokenizer, tok_name or "trained BPE")
+
+    key = _sha(corpus_key, tok_id, vocab_size, eos_id)
+    paths = {s: cache_dir / f"tokens-{key}.{s}.npy" for s in ("train", "val")}
+    meta = cache_dir / f"tokens-{key}.json"
+    if not meta.exists() or not all(p.exists() for p in paths.values()):
+        load_docs()
+        parts, i = {"train": [], "val": []}, 0
+        for batch in _iter_docs(sources):
+            for ids, v in zip(_encode(tokenizer, batch), is_val[i:i + len(batch)]):
+                parts["val" if v else "train"].append(np.asarray(list(ids) + [eos_id], dtype=np.int32))
+            i += len(batch)
+        arrays = {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, np.int32) for s in parts}
+        for split, p in paths.items():
+            _atomic_write(p, lambda f, a=arrays[split]: np.save(f, a))
+        info = {"train_tokens": len(arrays["train"]), "val_tokens": len(arrays["val"]), "eos_id": eos_id,
+                "vocab_size": len(tokenizer), "source": str(getattr(data_cfg, "path", None))}
+        _atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
+    train, val = (np.load(paths[s], mmap_mode="r") for s in ("train", "val"))
+    return Corpus(train_tokens=train, val_tokens=val, eos_id=eos_id, vocab_size=len(tokenizer), tokenizer=tokenizer)
+
+
+def _windows(tokens: np.ndarray, idx, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[i * seq_len:i * seq_len + seq_len + 1]) for i in idx]).astype(np.int64)
+    rows = torch.from_numpy(rows)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class PackedBatches:
+    """Deterministic, resumable stream of packed training sequences for one data-parallel rank.
+
+    Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; epoch e visits the windows in the order of
+    ``torch.randperm(N, generator=manual_seed(seed + e))``; global batch k is positions
+    ``[k*G, (k+1)*G)`` of the concatenated epoch orders, and rank r gets rows ``[r*b, (r+1)*b)``, b = G // dp_size.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+        if global_batch_size % dp_size != 0:
+            raise ValueError(f"global_batch_size ({global_batch_size}) is not divisible by dp_size ({dp_size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        self.tokens, self.seq_len, self.global_batch_size = tokens, int(seq_len), int(global_batch_size)
+        self.seed, self.dp_rank, self.dp_size = int(seed), int(dp_rank), int(dp_size)
+        self.micro = self.global_batch_size // self.dp_size
+        n = max(0, (len(tokens) - 1) // self.seq_len)
+        if n < self.global_batch_size:
+            raise ConfigError(f"data.seq_len: the training stream ({len(tokens)} tokens) gives only {n} windows of "
+                              f"data.seq_len+1={self.seq_len + 1} tokens, fewer than train.global_batch_size="
+                              f"{self.global_batch_size}; lower data.seq_len or train.global_batch_size, or add data")
+        self._n = n
+        self.consumed_samples = 0
+        self._perms: dict[int, np.ndarray] = {}
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self._n
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms[epoch] = torch.randperm(self._n, generator=g).numpy()
+        return self._perms[epoch]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.consumed_samples + self.dp_rank * self.micro
+        idx = [self._perm(p // self._n)[p % self._n] for p in range(start, start + self.micro)]
+        self.consumed_samples += self.global_batch_size
+        return _windows(self.tokens, idx, self.seq_len)
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": int(self.consumed_samples), "seed": self.seed, "num_samples": self._n,
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Resume; raises ValueError if the saved stream had a different seed or window count (other data)."""
+        for k, mine in (("seed", self.seed), ("num_samples", self._n)):
+            if k in sd and int(sd[k]) != mine:
+                raise ValueError(f"data state mismatch: checkpoint {k}={sd[k]}, this stream has {k}={mine}")
+        self.consumed_samples = int(sd["consumed_samples"])
+
+
+def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``max_batches`` full batches of consecutive windows, in stream order (same packing as
+    training). If the split has fewer windows than one batch, a single smaller batch of all of them;
+    no windows at all -> []. ``max_batches <= 0`` means all full batches."""
+    n = max(0, (len(tokens) - 1) // seq_len)
+    if n == 0:
+        return []
+    if n < batch_size:
+        return [_windows(tokens, range(n), seq_len)]
+    n_batches = n // batch_size if max_batches <= 0 else min(max_batches, n // batch_size)
+    return [_windows(tokens, range(k * batch_size, (k + 1) * batch_size), seq_len) for k in range(n_batches)]

@@ -1,0 +1,213 @@
+"""The training loop: one process, one device. Reads as verbs: train_step, evaluate, log, save."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import models
+from configs.schema import Config, OptimConfig
+from models.config import ConfigError
+
+from .checkpoint import CheckpointManager
+from .data import PackedBatches, load_corpus, val_batches
+from .metrics import MetricsLogger
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def lr_lambda(o: OptimConfig, max_steps: int):
+    """Multiplier of ``o.lr`` at scheduler step s: linear warmup, then cosine (or constant) to min_lr."""
+    floor = o.min_lr / o.lr
+
+    def f(s: int) -> float:
+        if s < o.warmup_steps:
+            return (s + 1) / o.warmup_steps
+        if o.decay == "constant":
+            return 1.0
+        progress = min(1.0, (s - o.warmup_steps) / max(1, max_steps - o.warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | Path):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        t = cfg.train
+        self.device = pick_device(t.device)
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+        self.corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+        self.model = models.build(cfg.model, device=self.device, seed=t.seed)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, t.max_steps))
+        self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed)
+        self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
+        self.step = 0
+        self.tokens = 0
+        ckpt_dir = cfg.checkpoint.dir or self.run_dir / "checkpoints"
+        self.ckpt = CheckpointManager(ckpt_dir, keep=cfg.checkpoint.keep)
+        self.ckpt.remove_partial()
+        self.resumed_from = self.maybe_resume()
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        extra = {"step": self.step, "tokens": self.tokens, "scheduler": self.scheduler.state_dict(),
+                 "data": self.batches.state_dict(), "rng": rng}
+        return {"model": model_sd, "optim": optim_sd, "extra": extra}
+
+    def maybe_resume(self) -> Path | None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return None
+        path = self.ckpt.latest() if resume == "auto" else Path(resume).expanduser()
+        if path is None:
+            return None
+        self._check_model_config(path)
+        state = self.state_dict()
+        self.ckpt.load(path, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = state["extra"]
+        self.step, self.tokens = extra["step"], extra["tokens"]
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.batches.load_state_dict(extra["data"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        random.setstate(extra["rng"]["python"])
+        np.random.set_state(extra["rng"]["numpy"])
+        if "cuda" in extra["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+        return path
+
+    def _check_model_config(self, path: Path) -> None:
+        saved_file = path / "model_config.yaml"
+        if not saved_file.is_file():
+            raise ConfigError(f"checkpoint.resume: {path} has no model_config.yaml; not a checkpoint of this trainer")
+        saved = yaml.safe_load(saved_file.read_text())
+        for key, value in dataclasses.asdict(self.cfg.model).items():
+            if saved.get(key) != value:
+                raise ConfigError(f"checkpoint.resume: {path} was written with model.{key}={saved.get(key)!r}, "
+                                  f"this run has {value!r} (use checkpoint.resume=none or another checkpoint.dir)")
+
+    def save(self) -> Path:
+        files = {"model_config.yaml": yaml.safe_dump(dataclasses.asdict(self.cfg.model), sort_keys=False),
+                 "config.yaml": OmegaConf.to_yaml(OmegaConf.structured(self.cfg))}
+        return self.ckpt.save(self.step, self.state_dict(), files)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> dict:
+        t = self.cfg.train
+        self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
+            OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress)
+        if self.resumed_from:
+            self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
+        summary = {"val_loss_start": None, "val_loss_end": None}
+        if self.step == 0:
+            summary["val_loss_start"] = self.evaluate()
+            self.logger.log_eval(0, summary["val_loss_start"])
+        start, start_step = time.perf_counter(), self.step
+        end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
+        metrics = {}
+        while self.step < end_step:
+            metrics = self.train_step()
+            if (t.eval_every and self.step % t.eval_every == 0) or self.step == end_step:
+                metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
+                self.logger.log_eval(self.step, metrics["val_loss"])
+            self.logger.log_step(metrics, self._last_load)
+            every = self.cfg.checkpoint.every
+            if every and self.step % every == 0:
+                self.save()
+        if self.cfg.checkpoint.save_final and self.step > start_step and \
+                not (self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0):
+            self.save()
+        elapsed = time.perf_counter() - start
+        steps_done = self.step - start_step
+        tok = steps_done * t.global_batch_size * self.cfg.data.seq_len
+        self.logger.write(
+            f"done: step {self.step}/{t.max_steps}, {tok} tokens in {elapsed:.1f}s ({tok / max(elapsed, 1e-9):.0f} tok/s)"
+            f"; loss {metrics.get('loss', float('nan')):.4f}; val_loss "
+            f"{_fmt(summary['val_loss_start'])} -> {_fmt(summary['val_loss_end'])}; run dir {self.run_dir}")
+        self.logger.close()
+        return summary | {"last": metrics}
+
+    def train_step(self) -> dict:
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        mtp_w = t.mtp_loss_weight.at(self.step, self.tokens)
+        gamma = t.bias_update_speed.at(self.step, self.tokens)
+        input_ids, labels = self.batches.next_batch()
+        n_micro = t.global_batch_size // t.micro_batch_size
+        sums = torch.zeros(3)
+        for ids, lab in zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)):
+            ids, lab = ids.to(self.device), lab.to(self.device)
+            with self.autocast:
+                out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
+            (out.loss / n_micro).backward()
+            sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float().cpu()
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._last_load = self.update_expert_bias(gamma)
+        self.step += 1
+        step_tokens = t.global_batch_size * self.cfg.data.seq_len
+        self.tokens += step_tokens
+        dt = time.perf_counter() - t0
+        lm, mtp, aux = (sums / n_micro).tolist()
+        imbalance = max((float(x.max() / x.mean().clamp_min(1e-9)) for x in self._last_load), default=1.0)
+        return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
+                "grad_norm": float(grad_norm), "tokens": self.tokens, "step_time_s": dt,
+                "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
+                "max_expert_load_over_mean": imbalance}
+
+    @torch.no_grad()
+    def update_expert_bias(self, gamma: float) -> list[torch.Tensor]:
+        """Sign-rule bias update from this step's expert load (whole global batch); resets the counters."""
+        loads = []
+        for moe in self.model.moe_layers():
+            load = moe.tokens_per_expert.clone()
+            moe.update_bias(load, gamma)
+            moe.tokens_per_expert.zero_()
+            loads.append(load)
+        return loads
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = []
+        for ids, lab in self.val:
+            with self.autocast:
+                logits = self.model(ids.to(self.device))
+            losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                            lab.to(self.device).flatten()).item())
+        self.model.train()
+        return float(sum(losses) / max(len(losses), 1))
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
