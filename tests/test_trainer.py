@@ -35,14 +35,17 @@ def test_resume_is_bitwise_identical(tmp_path, cache):
     assert len(set(straight)) > 5
 
 
-def test_metrics_jsonl_has_required_keys(tmp_path, cache):
+def test_metrics_jsonl_has_required_keys_and_schedules_apply(tmp_path, cache):
     run_inprocess(tmp_path / "run", *fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=3",
-                  "checkpoint.save_final=false")
+                  "checkpoint.save_final=false", "train.mtp_loss_weight.then=0.1", "train.mtp_loss_weight.after_steps=2",
+                  "train.bias_update_speed.then=0.0", f"train.bias_update_speed.after_tokens={8 * 64}")
     lines = read_jsonl(tmp_path / "run/metrics.jsonl")
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
         assert REQUIRED <= m.keys()
     assert lines[-1]["tokens"] == 3 * 8 * 64
+    assert [m["mtp_loss_weight"] for m in lines] == [0.3, 0.3, 0.1]
+    assert [m["bias_update_speed"] for m in lines] == [0.001, 0.0, 0.0]
     assert (tmp_path / "run/eval.jsonl").exists()
 
 
@@ -128,3 +131,23 @@ def test_bad_data_path_fails_before_training(tmp_path):
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: data.path"), proc.stderr
+
+
+def test_bf16_training_runs(tmp_path, cache):
+    run_inprocess(tmp_path / "run", *fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=2",
+                  "train.precision=bf16", "checkpoint.save_final=false")
+    lines = read_jsonl(tmp_path / "run/metrics.jsonl")
+    assert len(lines) == 2 and all(abs(m["loss"] - 6.93) < 0.3 for m in lines)
+
+
+def test_expert_bias_moves_with_load(tmp_path, cache):
+    from trainer.train import Trainer
+    from .trainer_utils import make_config
+    trainer = Trainer(make_config(*fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=1",
+                                  "checkpoint.resume=none"), tmp_path)
+    trainer.logger = None
+    trainer.train_step()
+    for load, moe in zip(trainer._last_load, trainer.model.moe_layers()):
+        expected = 0.001 * (load.mean() - load).sign()
+        assert (moe.gate.expert_bias == expected).all()
+        assert moe.tokens_per_expert.sum() == 0   # reset for the next step

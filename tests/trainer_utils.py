@@ -33,6 +33,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+    # One intra-op thread: tests run in parallel on 2 cores, and oversubscribed OpenMP threads stall badly.
+    full_env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
