@@ -28,6 +28,7 @@ class ParallelConfig:
     schedule: str = "none"      # pipeline schedule: none | 1f1b | dualpipe | dualpipev
     ranks_per_node: int = 1     # GPUs per node; routing groups map to the nodes of the EP group
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
+    ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
 
 
 @dataclass
@@ -148,6 +149,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     _one_of("parallel.schedule", p.schedule, SCHEDULES)
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     _one_of("optim.decay", o.decay, ("cosine", "constant"))
+    _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("hierarchical", "alltoall"))
     for key in ("max_steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key}: must be > 0, got {getattr(t, key)}")
@@ -156,15 +158,14 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
     if p.zero not in (0, 1, 2):
         raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {p.zero}")
-    if world_size % p.pp:
-        raise ConfigError(f"parallel.pp ({p.pp}) must divide the world size ({world_size})")
-    dp = world_size // p.pp
-    if dp % p.ep:
-        raise ConfigError(f"parallel.ep ({p.ep}) must divide the data-parallel size ({dp} = world {world_size} / pp {p.pp})")
-    if p.pp > 1 or p.ep > 1 or p.zero or p.schedule != "none" or world_size > 1:
+    from parallel.dims import ParallelDims   # validates pp/ep/ranks_per_node against the world size
+    dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
+    dims.check_model(cfg.model)
+    dp = dims.dp
+    if p.pp > 1 or p.zero or p.schedule != "none":
         raise ConfigError(
-            f"parallel: pp={p.pp} ep={p.ep} zero={p.zero} schedule={p.schedule} world_size={world_size}: "
-            "only the single-process layout (all defaults, one process) is implemented so far")
+            f"parallel: pp={p.pp} zero={p.zero} schedule={p.schedule}: pipeline parallelism and ZeRO are not "
+            "implemented yet (data and expert parallelism are: parallel.ep, torchrun --nproc_per_node)")
     if t.stop_at_step is not None and t.stop_at_step <= 0:
         raise ConfigError(f"train.stop_at_step: must be > 0 or null, got {t.stop_at_step}")
     if t.global_batch_size % (t.micro_batch_size * dp):

@@ -121,7 +121,7 @@ class LocalDispatcher:
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         order_R, w_TK = handle
         T, K = w_TK.shape
-        y_TKD = y_RD[torch.argsort(order_R)].view(T, K, -1)
+        y_TKD = y_RD[torch.argsort(order_R)].view(T, K, y_RD.shape[-1])
         return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
 
 

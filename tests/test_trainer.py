@@ -110,16 +110,17 @@ def test_wandb_offline_run_dir_via_cli(tmp_path, cache):
     assert "done: step 2/2" in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("override,key", [
-    ("model.n_limited_groups=5", "model.n_limited_groups"),
-    ("model.n_activated_experts=3", "model.n_activated_experts"),
-    ("train.global_batch_size=12", "train.global_batch_size"),
-    ("data.seq_len=4096", "data.seq_len"),
-    ("train.precision=fp16", "train.precision"),
-    ("checkpoint.resume=/nonexistent/ckpt", "checkpoint.resume"),
+@pytest.mark.parametrize("overrides,key", [
+    (["model.n_limited_groups=5"], "model.n_limited_groups"),
+    (["model.n_limited_groups=2", "model.n_activated_experts=3"], "model.n_activated_experts"),  # K % M != 0
+    (["train.global_batch_size=10"], "train.global_batch_size"),
+    (["data.seq_len=4096"], "data.seq_len"),
+    (["train.precision=fp16"], "train.precision"),
+    (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume"),
+    (["parallel.ep=4"], "parallel.ep"),                                   # one process cannot hold EP=4
 ])
-def test_invalid_config_fails_with_one_line_naming_the_key(tmp_path, override, key):
-    proc = run_cli("+exp=tiny", override, f"hydra.run.dir={tmp_path}/run", timeout=120)
+def test_invalid_config_fails_with_one_line_naming_the_key(tmp_path, overrides, key):
+    proc = run_cli("+exp=tiny", *overrides, f"hydra.run.dir={tmp_path}/run", timeout=120)
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {key}"), proc.stderr

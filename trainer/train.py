@@ -16,6 +16,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import models
 from configs.schema import Config, OptimConfig
 from models.config import ConfigError
+from parallel.data_parallel import all_reduce_mean, all_reduce_sum_, clip_grad_norm, sync_gradients
+from parallel.dims import ParallelDims
+from parallel.ep import apply_ep
+from parallel.state_dict import to_global, to_local
 
 from .checkpoint import CheckpointManager
 from .data import PackedBatches, load_corpus, val_batches
@@ -50,29 +54,48 @@ def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path):
+    def __init__(self, cfg: Config, run_dir: str | Path, dims: ParallelDims | None = None,
+                 device: torch.device | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.dims = dims or ParallelDims(world_size=1)
         t = cfg.train
-        self.device = pick_device(t.device)
+        self.device = device or pick_device(t.device)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
-        self.corpus = load_corpus(cfg.data, cfg.model.vocab_size)
-        self.model = models.build(cfg.model, device=self.device, seed=t.seed)
+        self.corpus = self._load_corpus()
+        # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
+        self.model = apply_ep(models.build(cfg.model, device=self.device, seed=t.seed), self.dims,
+                              dispatcher=cfg.parallel.ep_dispatcher)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, t.max_steps))
-        self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed)
+        self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed,
+                                     dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
         self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
         self.step = 0
         self.tokens = 0
         ckpt_dir = cfg.checkpoint.dir or self.run_dir / "checkpoints"
-        self.ckpt = CheckpointManager(ckpt_dir, keep=cfg.checkpoint.keep)
+        self.ckpt = CheckpointManager(ckpt_dir, keep=cfg.checkpoint.keep, is_writer=self.dims.is_main)
         self.ckpt.remove_partial()
+        self._barrier()
         self.resumed_from = self.maybe_resume()
+
+    def _barrier(self) -> None:
+        if self.dims.world_size > 1:
+            torch.distributed.barrier()
+
+    def _load_corpus(self):
+        """Rank 0 tokenizes (and caches) first; the others then read the cache."""
+        if not self.dims.is_main:
+            self._barrier()
+        corpus = load_corpus(self.cfg.data, self.cfg.model.vocab_size)
+        if self.dims.is_main:
+            self._barrier()
+        return corpus
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = to_global(*get_state_dict(self.model, self.optimizer), self.model, self.dims)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -90,6 +113,7 @@ class Trainer:
         self._check_model_config(path)
         state = self.state_dict()
         self.ckpt.load(path, state)
+        state = to_local(state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = state["extra"]
         self.step, self.tokens = extra["step"], extra["tokens"]
@@ -121,7 +145,8 @@ class Trainer:
     def train(self) -> dict:
         t = self.cfg.train
         self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
-            OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress)
+            OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
+            is_main=self.dims.is_main)
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
         summary = {"val_loss_start": None, "val_loss_end": None}
@@ -158,8 +183,8 @@ class Trainer:
         t0 = time.perf_counter()
         mtp_w = t.mtp_loss_weight.at(self.step, self.tokens)
         gamma = t.bias_update_speed.at(self.step, self.tokens)
-        input_ids, labels = self.batches.next_batch()
-        n_micro = t.global_batch_size // t.micro_batch_size
+        input_ids, labels = self.batches.next_batch()          # this dp rank's share of the global batch
+        n_micro = input_ids.shape[0] // t.micro_batch_size
         sums = torch.zeros(3)
         for ids, lab in zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)):
             ids, lab = ids.to(self.device), lab.to(self.device)
@@ -168,7 +193,11 @@ class Trainer:
             (out.loss / n_micro).backward()
             sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float().cpu()
         clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if self.dims.world_size > 1:
+            sync_gradients(self.model, self.dims)
+            grad_norm = clip_grad_norm(self.model, clip, self.dims)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -178,19 +207,34 @@ class Trainer:
         step_tokens = t.global_batch_size * self.cfg.data.seq_len
         self.tokens += step_tokens
         dt = time.perf_counter() - t0
-        lm, mtp, aux = (sums / n_micro).tolist()
+        lm, mtp, aux = all_reduce_mean(sums / n_micro, self.dims).tolist()
         imbalance = max((float(x.max() / x.mean().clamp_min(1e-9)) for x in self._last_load), default=1.0)
         return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                 "grad_norm": float(grad_norm), "tokens": self.tokens, "step_time_s": dt,
                 "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                "max_expert_load_over_mean": imbalance}
+                "max_expert_load_over_mean": imbalance, **self._ep_metrics()}
+
+    def _ep_metrics(self) -> dict:
+        """Dispatcher counters of this step over all MoE layers (summed/maxed over ranks), then reset."""
+        stats = [m.dispatcher.stats for m in self.model.moe_layers() if hasattr(m.dispatcher, "stats")]
+        if not stats:
+            return {}
+        v = torch.tensor([sum(s.cross_node_copies for s in stats), sum(s.dispatch_s for s in stats),
+                          sum(s.combine_s for s in stats)], dtype=torch.float64)
+        mx = torch.tensor([max(s.max_nodes_per_token for s in stats)], dtype=torch.float64)
+        torch.distributed.all_reduce(v, group=self.dims.group("dp"))
+        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=self.dims.group("dp"))
+        for s in stats:
+            s.reset()
+        return {"ep_cross_node_tokens": int(v[0]), "ep_max_nodes_per_token": int(mx[0]),
+                "ep_dispatch_s": float(v[1]) / self.dims.dp, "ep_combine_s": float(v[2]) / self.dims.dp}
 
     @torch.no_grad()
     def update_expert_bias(self, gamma: float) -> list[torch.Tensor]:
         """Sign-rule bias update from this step's expert load (whole global batch); resets the counters."""
         loads = []
         for moe in self.model.moe_layers():
-            load = moe.tokens_per_expert.clone()
+            load = all_reduce_sum_(moe.tokens_per_expert.clone(), self.dims)   # global batch, all dp ranks
             moe.update_bias(load, gamma)
             moe.tokens_per_expert.zero_()
             loads.append(load)
@@ -206,6 +250,9 @@ class Trainer:
             losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                             lab.to(self.device).flatten()).item())
         self.model.train()
+        for moe in self.model.moe_layers():   # evaluation traffic is not part of the next step's counters
+            if hasattr(moe.dispatcher, "stats"):
+                moe.dispatcher.stats.reset()
         return float(sum(losses) / max(len(losses), 1))
 
 

@@ -1,0 +1,82 @@
+"""Data parallelism for replicated and expert-sharded parameters (no ZeRO yet).
+
+Gradient of the global-batch mean loss, from per-rank mean losses:
+* replicated parameters: all-reduce SUM over the dp group, divide by dp;
+* routed-expert parameters: after the backward all-to-alls each EP rank already holds the sum over its
+  EP group; all-reduce SUM over the expert-dp group (same experts, other EP groups), divide by dp.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dims import ParallelDims
+from .ep import is_expert_param
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group, scale: float) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
+    if dims.dp == 1:
+        return
+    expert = is_expert_param(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    dense = [p.grad for n, p in params if not expert[n]]
+    experts = [p.grad for n, p in params if expert[n]]
+    _all_reduce_flat(dense, dims.group("dp"), 1.0 / dims.dp)
+    _all_reduce_flat(experts, dims.group("edp") if dims.edp > 1 else None, 1.0 / dims.dp)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims) -> float:
+    """Global L2 norm over all parameters (expert shards summed over the EP group); clip in place."""
+    expert = is_expert_param(model)
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if expert[n]:
+                expert_sq += sq
+            else:
+                dense_sq += sq
+    if dims.ep > 1:
+        dist.all_reduce(expert_sq, group=dims.group("ep"))
+    total = math.sqrt(float(dense_sq + expert_sq))
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return total
+
+
+def all_reduce_mean(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    if dims.dp > 1:
+        values = values.clone()
+        dist.all_reduce(values, group=dims.group("dp"))
+        values /= dims.dp
+    return values
+
+
+def all_reduce_sum_(t: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    if dims.dp > 1:
+        dist.all_reduce(t, group=dims.group("dp"))
+    return t

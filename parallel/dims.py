@@ -1,0 +1,122 @@
+"""``ParallelDims``: the one object that knows the layout. Built from the world size and the config,
+validated before any collective is issued, and passed explicitly (no module-level process groups).
+
+Rank layout (world = pp × dp, dp = edp × ep; ep lives inside the data-parallel ranks, as in DeepSeek-V3)::
+
+    rank = pp_index * dp + edp_index * ep + ep_index
+
+so an EP group is ``ep`` consecutive ranks, and nodes (``ranks_per_node`` consecutive ranks) hold whole
+EP sub-groups. Within the EP group, *EP nodes* are the ``ep / ranks_per_node`` nodes it spans (1 if
+the group fits in a node). Routing groups are tied to EP nodes: ``model.n_expert_groups`` must equal
+the number of EP nodes when ep > 1, so "at most M groups" means "at most M nodes" on the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.config import ConfigError, ModelConfig
+
+
+@dataclass
+class ParallelDims:
+    world_size: int
+    rank: int = 0
+    pp: int = 1
+    ep: int = 1
+    ranks_per_node: int = 1
+    groups: dict[str, Any] = field(default_factory=dict, repr=False)   # filled by build_groups()
+
+    def __post_init__(self):
+        w, pp, ep, rpn = self.world_size, self.pp, self.ep, self.ranks_per_node
+        if pp < 1 or ep < 1 or rpn < 1:
+            raise ConfigError(f"parallel.pp ({pp}), parallel.ep ({ep}) and parallel.ranks_per_node ({rpn}) must be >= 1")
+        if w % pp:
+            raise ConfigError(f"parallel.pp ({pp}) must divide the world size ({w})")
+        if self.dp % ep:
+            raise ConfigError(f"parallel.ep ({ep}) must divide the data-parallel size dp ({self.dp} = world {w} / pp {pp})")
+        if ep > 1 and ep % rpn and rpn % ep:
+            raise ConfigError(f"parallel.ep ({ep}) and parallel.ranks_per_node ({rpn}): one must divide the other "
+                              f"so that EP groups hold whole nodes or fit inside one")
+
+    # ---- sizes and coordinates --------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: replicas of each expert shard."""
+        return self.dp // self.ep
+
+    @property
+    def ep_ranks_per_node(self) -> int:
+        return min(self.ep, self.ranks_per_node)
+
+    @property
+    def ep_nodes(self) -> int:
+        return self.ep // self.ep_ranks_per_node
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def check_model(self, m: ModelConfig) -> None:
+        """Layout-dependent model checks (one-line ConfigError naming the keys)."""
+        if self.ep == 1:
+            return
+        if m.n_routed_experts % self.ep:
+            raise ConfigError(f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({self.ep})")
+        if m.n_expert_groups != self.ep_nodes:
+            raise ConfigError(
+                f"model.n_expert_groups ({m.n_expert_groups}) must equal the number of EP nodes ({self.ep_nodes} = "
+                f"parallel.ep {self.ep} / parallel.ranks_per_node {self.ep_ranks_per_node}): routing groups are nodes")
+        if m.n_limited_groups > self.ep_nodes:
+            raise ConfigError(f"model.n_limited_groups ({m.n_limited_groups}) must be <= the number of EP nodes "
+                              f"({self.ep_nodes})")
+
+    # ---- process groups -----------------------------------------------------------------------------
+    def build_groups(self, device_type: str = "cpu") -> "ParallelDims":
+        """Create every process group once (all ranks call ``new_group`` in the same order)."""
+        import torch.distributed as dist
+
+        def make(name: str, rank_lists: list[list[int]]) -> None:
+            for ranks in rank_lists:
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[name] = g
+                    self.groups[name + "_ranks"] = ranks
+
+        w, dp, ep, rpn = self.world_size, self.dp, self.ep, self.ep_ranks_per_node
+        make("pp", [list(range(i, w, dp)) for i in range(dp)])
+        make("dp", [list(range(p * dp, (p + 1) * dp)) for p in range(self.pp)])
+        make("ep", [list(range(b, b + ep)) for b in range(0, w, ep)])
+        make("edp", [list(range(p * dp + e, (p + 1) * dp, ep)) for p in range(self.pp) for e in range(ep)])
+        # Hierarchical all-to-all: the same local index across the EP group's nodes, and the ranks of one node.
+        make("ep_inter", [list(range(b + l, b + ep, rpn)) for b in range(0, w, ep) for l in range(rpn)])
+        make("ep_intra", [list(range(b + n * rpn, b + (n + 1) * rpn)) for b in range(0, w, ep) for n in range(ep // rpn)])
+        from torch.distributed.device_mesh import init_device_mesh
+        self.groups["mesh"] = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
+                                               mesh_dim_names=("pp", "edp", "ep"))
+        return self
+
+    def expert_mesh(self):
+        """2-D (edp, ep) device mesh of this rank's pipeline stage: expert shards are Shard(0) over ep."""
+        return self.group("mesh")["edp", "ep"]
+
+    def group(self, name: str):
+        if name not in self.groups:
+            raise RuntimeError(f"process group {name!r} not built; call ParallelDims.build_groups() after init_process_group")
+        return self.groups[name]

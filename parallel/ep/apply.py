@@ -1,0 +1,48 @@
+"""``apply_ep``: shard every MoE layer's routed experts over the EP group and install a dispatcher.
+
+Shared experts, attention, dense layers, router and balancing bias stay replicated. The model code is
+unchanged: only ``moe.experts`` (now ``E / ep`` local experts) and ``moe.dispatcher`` are replaced.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.moe import GroupedExperts, MoE
+
+from ..dims import ParallelDims
+from .dispatch import AllToAllDispatcher, HierarchicalDispatcher
+
+
+def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical", latency_s: float = 0.0) -> nn.Module:
+    if dims.ep == 1:
+        return model
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        experts = moe.experts
+        n_local = moe.n_experts // dims.ep
+        start = dims.ep_rank * n_local
+        for name in ("w1", "w2", "w3"):
+            full = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(full.detach()[start:start + n_local].clone(),
+                                                requires_grad=full.requires_grad))
+        experts.expert_offset = start   # global index of local expert 0
+        if dispatcher == "hierarchical" and dims.ep_nodes > 1:
+            moe.dispatcher = HierarchicalDispatcher(moe.n_experts, dims.group("ep"), dims.group("ep_inter"),
+                                                    dims.group("ep_intra"), latency_s)
+        elif dispatcher in ("hierarchical", "alltoall"):
+            moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node, latency_s)
+        else:
+            raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
+    return model
+
+
+def is_expert_param(model: nn.Module) -> dict[str, bool]:
+    """name -> True for routed-expert parameters (sharded over EP, reduced over expert-dp)."""
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    return {n: id(p) in expert_ids for n, p in model.named_parameters()}
+
+
+def shard_experts_like(full: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The local slice of a full ``[E, ...]`` expert tensor (for tests and checkpoint tooling)."""
+    n_local = full.shape[0] // dims.ep
+    return full[dims.ep_rank * n_local:(dims.ep_rank + 1) * n_local]

@@ -1,0 +1,30 @@
+"""Multi-process test harness: ``torch.multiprocessing.spawn`` + gloo + a file rendezvous in a tmp dir."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world_size, store_path, fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, tmp_path, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; failures re-raise here."""
+    store = tmp_path / f"store-{os.getpid()}-{world_size}"
+    mp.spawn(_entry, args=(world_size, str(store), fn, args), nprocs=world_size, join=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error ||a-b|| / ||b|| (0 when both are zero)."""
+    a, b = a.detach(), b.detach()
+    den = b.double().norm()
+    num = (a.double() - b.double()).norm()
+    return float(num / den) if den > 0 else float(num)
