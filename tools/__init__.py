@@ -1,1 +1,1 @@
-"""Command-line tools: convert_hf, size."""
+"""Command-line tools: convert_hf, schedule, size."""

@@ -1,0 +1,141 @@
+"""The action vocabulary shared by every pipeline schedule, the simulator and the executor.
+
+A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. A rank runs its list top to
+bottom; nothing else decides order. Compute actions name the micro-batch, the *global* stage whose
+module runs, and the *chunk* (which of the rank's modules: 0, or 1 for the second module that
+DualPipe/DualPipeV place on every rank). Communication actions name the peer rank and the payload.
+
+Kinds (costs in the simulator are in brackets):
+  F    forward of one stage for one micro-batch                                  [f]
+  B    backward for the input gradient only (zero-bubble split); its W comes later [b]
+  W    backward for the weight gradient of an earlier B                          [w]
+  BW   full backward, B and W together                                           [b + w]
+  FB   "F&B": a forward and a full backward (BW) of two different micro-batches
+       (or chunks) run as one overlapped action; ``mb/stage/chunk`` describe the
+       forward half and ``bwd`` is the backward half (an ``Action`` of kind BW)   [fb, default f + b + w]
+  SEND / RECV  point-to-point transfer of ``payload`` with rank ``peer``.
+
+Communication convention: ``stage`` on SEND and RECV is the stage that *produced* the tensor, so both
+ends of one transfer carry the same ``(payload, mb, stage)``:
+  ACT  the output of F(mb, stage), consumed by F(mb, stage + 1) on ``peer``;
+  GRAD the input gradient from B/BW(mb, stage), consumed by the backward of (mb, stage - 1).
+``chunk`` on a SEND is the sending module, on a RECV the module that will consume the tensor.
+Transfers between two stages on the same rank (DualPipeV's turn of the V, the loss on the last stage)
+are local and have no actions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    FB = "F&B"
+    SEND = "SEND"
+    RECV = "RECV"
+
+
+class Payload(str, Enum):
+    ACT = "act"    # forward activation, flows to the next stage
+    GRAD = "grad"  # gradient w.r.t. that activation, flows back to the previous stage
+
+
+COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.FB)
+COMM = (Kind.SEND, Kind.RECV)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    mb: int                        # micro-batch index, 0..n_microbatches-1
+    stage: int                     # global stage index (for SEND/RECV: the producing stage)
+    chunk: int = 0                 # which of the rank's stage modules (0 or 1)
+    peer: int | None = None        # SEND/RECV: the other rank
+    payload: Payload | None = None  # SEND/RECV: ACT or GRAD
+    bwd: Action | None = None      # FB: the overlapped backward half (kind BW)
+
+    def __post_init__(self):
+        if (self.kind in COMM) != (self.peer is not None and self.payload is not None):
+            raise ValueError(f"{self.kind.value}: peer and payload are required exactly for SEND/RECV")
+        if (self.kind is Kind.FB) != (self.bwd is not None):
+            raise ValueError(f"{self.kind.value}: bwd is required exactly for F&B")
+        if self.bwd is not None and self.bwd.kind is not Kind.BW:
+            raise ValueError(f"F&B: bwd must be a BW action, got {self.bwd.kind.value}")
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+    def parts(self) -> tuple[Action, ...]:
+        """The compute halves: (F, BW) for an F&B, the action itself otherwise."""
+        if self.kind is Kind.FB:
+            return (Action(Kind.F, self.mb, self.stage, self.chunk), self.bwd)
+        return (self,)
+
+    def __str__(self) -> str:
+        if self.kind is Kind.FB:
+            return f"F{self.mb}.{self.chunk}&B{self.bwd.mb}.{self.bwd.chunk}"
+        if self.kind in COMM:
+            arrow = "->" if self.kind is Kind.SEND else "<-"
+            return f"{self.kind.value.lower()} {self.payload.value} mb{self.mb} s{self.stage} {arrow} r{self.peer}"
+        return f"{self.kind.value}{self.mb}.{self.chunk}"
+
+
+def fb(fwd: Action, bwd: Action) -> Action:
+    """Overlapped F&B from a forward action and a full-backward (BW) action."""
+    return Action(Kind.FB, fwd.mb, fwd.stage, fwd.chunk, bwd=bwd)
+
+
+def add_p2p(compute: list[list[Action]]) -> list[list[Action]]:
+    """Insert SEND/RECV actions around compute-only rank lists.
+
+    Each RECV goes right before the action that consumes it and each SEND right after the action
+    that produced it (sends are asynchronous: they never hold up the sender, see the simulator).
+    Which rank runs a (mb, stage) is read off the compute lists themselves.
+    """
+    fwd_rank: dict[tuple[int, int], int] = {}
+    bwd_rank: dict[tuple[int, int], int] = {}
+    for rank, actions in enumerate(compute):
+        for a in actions:
+            for p in a.parts():
+                if p.kind is Kind.F:
+                    fwd_rank[p.mb, p.stage] = rank
+                elif p.kind in (Kind.B, Kind.BW):
+                    bwd_rank[p.mb, p.stage] = rank
+
+    out: list[list[Action]] = []
+    for rank, actions in enumerate(compute):
+        seq: list[Action] = []
+        for a in actions:
+            recvs, sends = [], []
+            for p in a.parts():
+                if p.kind is Kind.F:
+                    src = fwd_rank.get((p.mb, p.stage - 1), rank)
+                    dst = fwd_rank.get((p.mb, p.stage + 1), rank)
+                    if src != rank:
+                        recvs.append(Action(Kind.RECV, p.mb, p.stage - 1, p.chunk, src, Payload.ACT))
+                    if dst != rank:
+                        sends.append(Action(Kind.SEND, p.mb, p.stage, p.chunk, dst, Payload.ACT))
+                elif p.kind in (Kind.B, Kind.BW):
+                    src = bwd_rank.get((p.mb, p.stage + 1), rank)
+                    dst = bwd_rank.get((p.mb, p.stage - 1), rank)
+                    if src != rank:
+                        recvs.append(Action(Kind.RECV, p.mb, p.stage + 1, p.chunk, src, Payload.GRAD))
+                    if dst != rank:
+                        sends.append(Action(Kind.SEND, p.mb, p.stage, p.chunk, dst, Payload.GRAD))
+            seq += recvs + [a] + sends
+        out.append(seq)
+    return out
+
+
+def check_counts(name: str, arg: str, value: int, minimum: int = 1, bound: str = "", even: bool = False) -> None:
+    """Precondition check whose message names the argument and prints the values, e.g.
+    ``dualpipe: n_microbatches (6) must be >= 2*pp (8)``."""
+    if value < minimum:
+        raise ValueError(f"{name}: {arg} ({value}) must be >= {f'{bound} ({minimum})' if bound else minimum}")
+    if even and value % 2:
+        raise ValueError(f"{name}: {arg} ({value}) must be even")
