@@ -29,6 +29,7 @@ class ParallelConfig:
     ranks_per_node: int = 1     # GPUs per node; routing groups map to the nodes of the EP group
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
+    timeout_s: int = 600        # collective timeout; a hung peer raises an error naming rank and layer
 
 
 @dataclass

@@ -1,25 +1,27 @@
 """Multi-process test harness: ``torch.multiprocessing.spawn`` + gloo + a file rendezvous in a tmp dir."""
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world_size, store_path, fn, args):
+def _entry(rank, world_size, store_path, fn, args, timeout_s):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, tmp_path, *args) -> None:
+def spawn(fn, world_size: int, tmp_path, *args, timeout_s: float = 300) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; failures re-raise here."""
     store = tmp_path / f"store-{os.getpid()}-{world_size}"
-    mp.spawn(_entry, args=(world_size, str(store), fn, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, str(store), fn, args, timeout_s), nprocs=world_size, join=True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -145,3 +145,18 @@ def test_m_greater_than_nodes_rejected():
         dims.check_model(ModelConfig(n_expert_groups=2, n_limited_groups=2, n_activated_experts=2,
                                      n_routed_experts=8).__class__(n_expert_groups=2, n_limited_groups=3,
                                                                     n_activated_experts=3))
+
+
+def _timeout_worker(rank, world):
+    import time
+    dims = ParallelDims(world_size=world, rank=rank, ep=2).build_groups()
+    model = apply_ep(build(model_cfg(2, 1), seed=0), dims)
+    if rank == 1:
+        time.sleep(6)   # skips the layer: rank 0's all-to-all must time out, not hang
+        return
+    with pytest.raises(RuntimeError, match=r"layers\.1\.ffn failed on rank 0"):
+        model.layers[1].ffn(torch.randn(1, 4, 32))
+
+
+def test_collective_timeout_names_rank_and_layer(tmp_path):
+    spawn(_timeout_worker, 2, tmp_path, timeout_s=2)

@@ -34,7 +34,8 @@ def _init_distributed(cfg):
     p = cfg.parallel
     dims = ParallelDims(world_size=world, rank=rank, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        from datetime import timedelta
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=p.timeout_s))
         dims.build_groups(device.type)
     return dims, device
 

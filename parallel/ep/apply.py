@@ -17,13 +17,13 @@ from .dispatch import AllToAllDispatcher, HierarchicalDispatcher
 def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical", latency_s: float = 0.0) -> nn.Module:
     if dims.ep == 1:
         return model
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+    for name, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
         experts = moe.experts
         n_local = moe.n_experts // dims.ep
         start = dims.ep_rank * n_local
-        for name in ("w1", "w2", "w3"):
-            full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(full.detach()[start:start + n_local].clone(),
+        for w in ("w1", "w2", "w3"):
+            full = getattr(experts, w)
+            setattr(experts, w, nn.Parameter(full.detach()[start:start + n_local].clone(),
                                                 requires_grad=full.requires_grad))
         experts.expert_offset = start   # global index of local expert 0
         if dispatcher == "hierarchical" and dims.ep_nodes > 1:
@@ -33,6 +33,7 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
             moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node, latency_s)
         else:
             raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
+        moe.dispatcher.name = name   # e.g. "layers.3.ffn", used in error messages
     return model
 
 

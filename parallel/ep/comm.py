@@ -4,10 +4,21 @@ Shapes: rows are dim 0; ``out_splits[i]`` rows arrive from rank i, ``in_splits[i
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def named_errors(name: str, rank: int):
+    """Re-raise communication failures (timeouts, dead peers) naming the rank and the MoE layer."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"expert all-to-all of {name} failed on rank {rank}: {str(e).splitlines()[0]} "
+                           f"(a peer may have died, timed out, or skipped this layer)") from e
 
 
 class Pending:
@@ -24,8 +35,8 @@ class Pending:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, latency_s, pending):
-        ctx.out_splits, ctx.in_splits, ctx.group, ctx.latency_s = out_splits, in_splits, group, latency_s
+    def forward(ctx, x, out_splits, in_splits, group, latency_s, pending, name):
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.latency_s, ctx.name = out_splits, in_splits, group, latency_s, name
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
                                       async_op=pending is not None)
@@ -38,16 +49,17 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        with named_errors(f"{ctx.name} (backward)", dist.get_rank()):
+            dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         if ctx.latency_s:
             time.sleep(ctx.latency_s)
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, latency_s: float = 0.0,
-               pending: Pending | None = None) -> torch.Tensor:
+               pending: Pending | None = None, name: str = "moe") -> torch.Tensor:
     """Differentiable ``all_to_all_single``. With ``pending``, returns at once; wait on it before use."""
-    return _AllToAll.apply(x, out_splits, in_splits, group, latency_s, pending)
+    return _AllToAll.apply(x, out_splits, in_splits, group, latency_s, pending, name)
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:

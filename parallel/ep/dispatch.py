@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm import Pending, all_to_all, exchange_counts
+from .comm import Pending, all_to_all, exchange_counts, named_errors
 
 
 @dataclass
@@ -43,12 +43,35 @@ class DispatchStats:
 
 
 class _Handle:
-    def __init__(self, finish, pending: Pending):
-        self._finish, self._pending = finish, pending
+    def __init__(self, finish, pending: Pending, name: str = "moe", rank: int = 0):
+        self._finish, self._pending, self._name, self._rank = finish, pending, name, rank
 
     def wait(self):
-        self._pending.wait()
-        return self._finish()
+        with named_errors(self._name, self._rank):
+            self._pending.wait()
+            return self._finish()
+
+
+class _DispatcherBase:
+    """Shared by the dispatchers: a layer name for error messages and the error wrapping of each call."""
+    name = "moe"
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        return self.dispatch_async(x_TD, topk_idx_TK, topk_weight_TK).wait()
+
+    def combine(self, y_RD, handle):
+        return self.combine_async(y_RD, handle).wait()
+
+    def dispatch_async(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+        with named_errors(self.name, dist.get_rank()):
+            return self._dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+
+    def combine_async(self, y_RD, handle) -> _Handle:
+        with named_errors(self.name, dist.get_rank()):
+            return self._combine(y_RD, handle)
+
+    def _handle(self, finish, pending) -> _Handle:
+        return _Handle(finish, pending, self.name, dist.get_rank())
 
 
 def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor) -> torch.Tensor:
@@ -59,7 +82,7 @@ def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor) -> torch.Te
     return torch.argsort(rank_of_row, stable=True)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(_DispatcherBase):
     def __init__(self, n_experts: int, group, ranks_per_node: int = 1, latency_s: float = 0.0):
         self.group = group
         self.ep = dist.get_world_size(group)
@@ -69,10 +92,7 @@ class AllToAllDispatcher:
         self.latency_s = latency_s
         self.stats = DispatchStats()
 
-    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
-        return self.dispatch_async(x_TD, topk_idx_TK, topk_weight_TK).wait()
-
-    def dispatch_async(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
         t0 = time.perf_counter()
         T, K = topk_idx_TK.shape
         flat = topk_idx_TK.flatten()
@@ -82,23 +102,20 @@ class AllToAllDispatcher:
         in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         self._count_crossings(topk_idx_TK, in_splits)
         pending = Pending()
-        x_recv = all_to_all(x_TD[order // K], out_splits, in_splits, self.group, self.latency_s, pending)
+        x_recv = all_to_all(x_TD[order // K], out_splits, in_splits, self.group, self.latency_s, pending, self.name)
 
         def finish():
             perm = _sort_source_major_to_expert_major(recv_counts)
             handle = (order, topk_weight_TK, in_splits, out_splits, perm)
             self.stats.dispatch_s += time.perf_counter() - t0
             return x_recv[perm], recv_counts.sum(0), handle
-        return _Handle(finish, pending)
+        return self._handle(finish, pending)
 
-    def combine(self, y_RD, handle):
-        return self.combine_async(y_RD, handle).wait()
-
-    def combine_async(self, y_RD, handle) -> _Handle:
+    def _combine(self, y_RD, handle) -> _Handle:
         t0 = time.perf_counter()
         order, w_TK, in_splits, out_splits, perm = handle
         pending = Pending()
-        y_sorted = all_to_all(y_RD[torch.argsort(perm)], in_splits, out_splits, self.group, self.latency_s, pending)
+        y_sorted = all_to_all(y_RD[torch.argsort(perm)], in_splits, out_splits, self.group, self.latency_s, pending, self.name)
 
         def finish():
             T, K = w_TK.shape
@@ -106,7 +123,7 @@ class AllToAllDispatcher:
             out = (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
             self.stats.combine_s += time.perf_counter() - t0
             return out
-        return _Handle(finish, pending)
+        return self._handle(finish, pending)
 
     def _count_crossings(self, topk_idx_TK, in_splits) -> None:
         my_node = self.ep_rank // self.rpn
@@ -118,7 +135,7 @@ class AllToAllDispatcher:
             self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(per_token.max()))
 
 
-class HierarchicalDispatcher:
+class HierarchicalDispatcher(_DispatcherBase):
     """Node-limited two-stage dispatch: inter-node (same local index) then intra-node."""
 
     def __init__(self, n_experts: int, ep_group, inter_group, intra_group, latency_s: float = 0.0):
@@ -133,10 +150,7 @@ class HierarchicalDispatcher:
         self.latency_s = latency_s
         self.stats = DispatchStats()
 
-    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
-        return self.dispatch_async(x_TD, topk_idx_TK, topk_weight_TK).wait()
-
-    def dispatch_async(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
         t0 = time.perf_counter()
         T, K = topk_idx_TK.shape
         N = self.n_nodes
@@ -155,8 +169,8 @@ class HierarchicalDispatcher:
         self.stats.cross_node_copies += sum(n for i, n in enumerate(in1) if i != self.node)
         if T:
             self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(goes_NT.sum(0).max()))
-        x1 = all_to_all(x_TD[pair_tok], out1, in1, self.inter, self.latency_s)
-        w1 = all_to_all(w_PK, out1, in1, self.inter)
+        x1 = all_to_all(x_TD[pair_tok], out1, in1, self.inter, self.latency_s, None, self.name)
+        w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name)
         ids1 = exchange_rows(ids_PK, out1, in1, self.inter)
         # Stage 2: the forwarding rank sends one copy per chosen expert to the rank of its node that hosts it.
         copy_row, copy_k = (ids1 >= 0).nonzero(as_tuple=True)
@@ -166,35 +180,32 @@ class HierarchicalDispatcher:
         recv2 = exchange_counts(send2, self.intra)
         in2, out2 = send2.sum(1).tolist(), recv2.sum(1).tolist()
         pending = Pending()
-        x2 = all_to_all(x1[copy_row[order2]], out2, in2, self.intra, 0.0, pending)
+        x2 = all_to_all(x1[copy_row[order2]], out2, in2, self.intra, 0.0, pending, self.name)
 
         def finish():
             perm = _sort_source_major_to_expert_major(recv2)
             handle = (T, pair_tok, pair_node, in1, out1, w1, copy_row, copy_k, order2, in2, out2, perm)
             self.stats.dispatch_s += time.perf_counter() - t0
             return x2[perm], recv2.sum(0), handle
-        return _Handle(finish, pending)
+        return self._handle(finish, pending)
 
-    def combine(self, y_RD, handle):
-        return self.combine_async(y_RD, handle).wait()
-
-    def combine_async(self, y_RD, handle) -> _Handle:
+    def _combine(self, y_RD, handle) -> _Handle:
         t0 = time.perf_counter()
         T, pair_tok, pair_node, in1, out1, w1, copy_row, copy_k, order2, in2, out2, perm = handle
-        y2 = all_to_all(y_RD[torch.argsort(perm)], in2, out2, self.intra)
+        y2 = all_to_all(y_RD[torch.argsort(perm)], in2, out2, self.intra, 0.0, None, self.name)
         # Forwarder: weight its node's expert outputs and sum them per received row (no index_add: deterministic).
         R1, K = w1.shape
         y_RKD = y2.new_zeros(R1 * K, y2.shape[-1]).index_put((copy_row[order2] * K + copy_k[order2],), y2)
         partial = (y_RKD.view(R1, K, y2.shape[-1]) * w1.unsqueeze(-1).to(y2.dtype)).sum(1)
         pending = Pending()
-        y1 = all_to_all(partial, in1, out1, self.inter, self.latency_s, pending)
+        y1 = all_to_all(partial, in1, out1, self.inter, self.latency_s, pending, self.name)
 
         def finish():
             D = y1.shape[-1]
             y_NTD = y1.new_zeros(self.n_nodes * T, D).index_put((pair_node * T + pair_tok,), y1)
             self.stats.combine_s += time.perf_counter() - t0
             return y_NTD.view(self.n_nodes, T, D).sum(0)
-        return _Handle(finish, pending)
+        return self._handle(finish, pending)
 
 
 def exchange_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
