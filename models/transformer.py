@@ -83,34 +83,14 @@ class DeepSeekV3(nn.Module):
 
     def compute_loss(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor,
                      mtp_weight: float = 0.0, aux_alpha: float = 0.0) -> LossOutput:
-        """Training objective. ``labels[:, i]`` is the token after ``input_ids[:, i]``.
-
-        MTP depth k uses positions ``i < T-k``: it sees ``Emb(input_ids[:, i+k])`` and predicts
-        ``labels[:, i+k]`` (the token k+1 steps ahead of position i).
-        """
+        """Training objective. ``labels[:, i]`` is the token after ``input_ids[:, i]``."""
         h = self.hidden(input_ids_BT)
-        lm_loss = self._ce(self.head(self.norm(h)), labels_BT)
-        loss = lm_loss
-        mtp_losses = []
-        T = input_ids_BT.shape[1]
-        for k, module in enumerate(self.mtp, start=1):
-            if T - k <= 0:
-                break
-            rope = rope_cos_sin(self.cfg, T - k, h.device)
-            h = module(h[:, :T - k], self.embed(input_ids_BT[:, k:]), rope)
-            mtp_losses.append(self._ce(self.head(module.norm(h)), labels_BT[:, k:]))
-        mtp_loss = torch.stack(mtp_losses).mean() if mtp_losses else lm_loss.new_zeros(())
-        if mtp_losses:
-            loss = loss + mtp_weight * mtp_loss
-        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None] if self.training else []
-        aux_loss = aux_alpha * torch.stack(aux).sum() if aux else lm_loss.new_zeros(())
-        if aux and aux_alpha:
+        loss, lm_loss, mtp_loss = head_loss(h, input_ids_BT, labels_BT, mtp_weight, cfg=self.cfg, norm=self.norm,
+                                            head=self.head, embed=self.embed, mtp=self.mtp)
+        aux_loss = moe_aux_loss(self.moe_layers(), aux_alpha) if self.training else lm_loss.new_zeros(())
+        if aux_alpha and self.training:
             loss = loss + aux_loss
         return LossOutput(loss, lm_loss.detach(), mtp_loss.detach(), aux_loss.detach())
-
-    @staticmethod
-    def _ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten())
 
     # ---- MoE helpers -----------------------------------------------------------------------------
     def moe_layers(self) -> list[MoE]:
@@ -129,6 +109,42 @@ class DeepSeekV3(nn.Module):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, (RMSNorm, MoE)):
                 module.init_weights() if isinstance(module, RMSNorm) else module.init_weights(std)
+
+
+def _ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten())
+
+
+def head_loss(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, mtp_weight: float, *,
+              cfg: ModelConfig, norm: nn.Module, head: nn.Module, embed: nn.Module, mtp: nn.ModuleList
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LM loss from the main model's final residual stream, plus the MTP modules' losses.
+
+    MTP depth k uses positions ``i < T-k``: it sees ``Emb(input_ids[:, i+k])`` and predicts
+    ``labels[:, i+k]`` (the token k+1 steps ahead of position i). Returns ``(lm + mtp_weight * mtp,
+    lm, mtp)`` where ``mtp`` is the mean cross-entropy over the depths (0 without MTP). Shared by the
+    whole model and by the last pipeline stage.
+    """
+    lm_loss = _ce(head(norm(h_BTD)), labels_BT)
+    T = input_ids_BT.shape[1]
+    mtp_losses = []
+    h = h_BTD
+    for k, module in enumerate(mtp, start=1):
+        if T - k <= 0:
+            break
+        rope = rope_cos_sin(cfg, T - k, h.device)
+        h = module(h[:, :T - k], embed(input_ids_BT[:, k:]), rope)
+        mtp_losses.append(_ce(head(module.norm(h)), labels_BT[:, k:]))
+    if not mtp_losses:
+        return lm_loss, lm_loss, lm_loss.new_zeros(())
+    mtp_loss = torch.stack(mtp_losses).mean()
+    return lm_loss + mtp_weight * mtp_loss, lm_loss, mtp_loss
+
+
+def moe_aux_loss(moe_layers: list[MoE], aux_alpha: float) -> torch.Tensor | float:
+    """``aux_alpha`` x the sum of the layers' sequence-wise balance losses from their last forward."""
+    aux = [m.aux_loss for m in moe_layers if m.aux_loss is not None]
+    return aux_alpha * torch.stack(aux).sum() if aux else torch.zeros(())
 
 
 def build(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> DeepSeekV3:

@@ -1,0 +1,150 @@
+"""Runs one pipeline rank's action list (``parallel.pipeline.schedules``) over torch.distributed p2p.
+
+The executor owns the per-step state: stage inputs/outputs per (micro-batch, stage), received
+tensors, pending sends. Sends are asynchronous (``isend``), waited for at the end of the step, so a
+rank never blocks on its own send; a RECV blocks until its tensor has arrived (the schedule puts it
+right before the consumer). Tags name (payload, stage, micro-batch), so transfers match by identity.
+
+Backward kinds: BW runs the full backward of a stage; B computes only the stage-input gradient and
+keeps the graph; W later computes the parameter gradients (zero-bubble split — correct, though W
+re-traverses the graph; deferring only the weight GEMMs is a further optimisation). F&B runs its
+forward and backward halves one after the other.
+
+Shapes: activations and their gradients crossing stages are ``[micro_batch, seq, dim]`` fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .schedules.actions import Action, Kind, Payload
+from .stages import Stage
+
+
+class PipelineExecutor:
+    def __init__(self, stages: dict[int, Stage], actions: list[Action], pp_ranks: list[int], n_stages: int,
+                 dim: int, device: torch.device | str = "cpu"):
+        self.stages = stages                   # chunk -> Stage
+        self.actions = actions
+        self.pp_ranks = pp_ranks               # pipeline rank -> global rank
+        self.n_stages = n_stages
+        self.dim = dim
+        self.device = torch.device(device)
+
+    # ---- one optimizer step's worth of micro-batches ----------------------------------------------
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+             mtp_weight: float = 0.0, aux_alpha: float = 0.0) -> dict[str, torch.Tensor]:
+        """Run the action list. Returns sums over the micro-batches finished on this rank:
+        ``{"lm": , "mtp": , "aux": , "n": }`` (detached scalars)."""
+        self.mb = micro_batches
+        self.scale, self.mtp_weight, self.aux_alpha = loss_scale, mtp_weight, aux_alpha
+        self.inputs, self.outputs, self.aux, self.recv, self.in_grads = {}, {}, {}, {}, {}
+        self.sends = []
+        self.sums = {k: torch.zeros((), dtype=torch.float64) for k in ("lm", "mtp", "aux", "n")}
+        for a in self.actions:
+            getattr(self, "_" + a.kind.name.lower())(a)
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+        leftovers = set(self.outputs) | set(self.inputs)
+        assert not leftovers, f"pipeline step ended with un-backpropagated (micro-batch, stage): {sorted(leftovers)}"
+        return self.sums
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def _f(self, a: Action) -> None:
+        st = self.stages[a.chunk]
+        ids, labels = (t.to(self.device) for t in self.mb[a.mb])
+        x = None
+        if not st.is_first:
+            src = self.recv.pop((Payload.ACT, a.mb, a.stage - 1), None)
+            if src is None:                                 # previous stage on this rank (DualPipeV's turn)
+                src = self.outputs[(a.mb, a.stage - 1)]
+            x = src.detach().requires_grad_()
+            self.inputs[(a.mb, a.stage)] = x
+        out, parts = st(x, ids, labels, self.mtp_weight)
+        self.outputs[(a.mb, a.stage)] = out
+        aux = st.aux_loss(self.aux_alpha)
+        self.aux[(a.mb, a.stage)] = aux
+        if aux is not None:
+            self.sums["aux"] += float(aux)
+        if parts is not None:
+            self.sums["lm"] += float(parts[0])
+            self.sums["mtp"] += float(parts[1])
+            self.sums["n"] += 1
+
+    def _targets(self, a: Action) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        out = self.outputs[(a.mb, a.stage)]
+        aux = self.aux[(a.mb, a.stage)]
+        if self.stages[a.chunk].is_last:
+            loss = out * self.scale + (aux * self.scale if aux is not None else 0)
+            return [loss], [None]
+        g = self.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
+        if g is None:
+            g = self.in_grads.pop((a.mb, a.stage + 1))
+        tensors, grads = [out], [g]
+        if aux is not None:
+            tensors.append(aux * self.scale)
+            grads.append(None)
+        return tensors, grads
+
+    def _bw(self, a: Action) -> None:
+        tensors, grads = self._targets(a)
+        torch.autograd.backward(tensors, grads)
+        self._finish_backward(a)
+
+    def _b(self, a: Action) -> None:
+        tensors, grads = self._targets(a)
+        self._pending_w = getattr(self, "_pending_w", {})
+        self._pending_w[(a.mb, a.stage)] = (tensors, grads)
+        x = self.inputs.get((a.mb, a.stage))
+        if x is not None:   # the first stage has no input gradient: all its work happens at W
+            torch.autograd.backward(tensors, grads, inputs=[x], retain_graph=True)
+            self.in_grads[(a.mb, a.stage)] = x.grad
+        # outputs/aux stay until W
+
+    def _w(self, a: Action) -> None:
+        tensors, grads = self._pending_w.pop((a.mb, a.stage))
+        params = self._params(self.stages[a.chunk])
+        if params:   # a stage may hold no layers (more stages than layers)
+            torch.autograd.backward(tensors, grads, inputs=params)
+        self.outputs.pop((a.mb, a.stage))
+        self.aux.pop((a.mb, a.stage))
+        self.inputs.pop((a.mb, a.stage), None)
+
+    def _finish_backward(self, a: Action) -> None:
+        self.outputs.pop((a.mb, a.stage))
+        self.aux.pop((a.mb, a.stage))
+        x = self.inputs.pop((a.mb, a.stage), None)
+        if x is not None:
+            self.in_grads[(a.mb, a.stage)] = x.grad
+
+    def _fb(self, a: Action) -> None:
+        fwd, bwd = a.parts()
+        self._f(fwd)
+        self._bw(bwd)
+
+    # ---- communication ---------------------------------------------------------------------------
+    def _tag(self, a: Action) -> int:
+        return ((0 if a.payload is Payload.ACT else 1) * self.n_stages + a.stage) * len(self.mb) + a.mb
+
+    def _send(self, a: Action) -> None:
+        if a.payload is Payload.ACT:
+            t = self.outputs[(a.mb, a.stage)].detach()
+        else:
+            t = self.in_grads.pop((a.mb, a.stage))
+        t = t.contiguous()
+        self.sends.append((dist.isend(t, dst=self.pp_ranks[a.peer], tag=self._tag(a)), t))
+
+    def _recv(self, a: Action) -> None:
+        ids = self.mb[a.mb][0]
+        buf = torch.empty(ids.shape[0], ids.shape[1], self.dim, device=self.device)
+        dist.irecv(buf, src=self.pp_ranks[a.peer], tag=self._tag(a)).wait()
+        self.recv[(a.payload, a.mb, a.stage)] = buf
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _params(st: Stage) -> list[torch.Tensor]:
+        params = [p for p in st.parameters() if p.requires_grad]
+        if st.is_last and hasattr(st, "_borrowed"):
+            params += [p for p in st._borrowed[0].parameters() if p.requires_grad]
+        return params
