@@ -30,6 +30,7 @@ class ParallelConfig:
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
     timeout_s: int = 600        # collective timeout; a hung peer raises an error naming rank and layer
+    pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
 
 
 @dataclass
@@ -163,16 +164,27 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
     dims.check_model(cfg.model)
     dp = dims.dp
-    if p.pp > 1 or p.zero or p.schedule != "none":
-        raise ConfigError(
-            f"parallel: pp={p.pp} zero={p.zero} schedule={p.schedule}: pipeline parallelism and ZeRO are not "
-            "implemented yet (data and expert parallelism are: parallel.ep, torchrun --nproc_per_node)")
+    if p.zero:
+        raise ConfigError(f"parallel.zero ({p.zero}): ZeRO sharding is not implemented yet (use 0)")
+    if (p.pp > 1) != (p.schedule != "none"):
+        raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
+                          "(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")
     if t.stop_at_step is not None and t.stop_at_step <= 0:
         raise ConfigError(f"train.stop_at_step: must be > 0 or null, got {t.stop_at_step}")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
             f"({t.micro_batch_size}) x data-parallel size ({dp})")
+    if p.pp > 1:
+        from parallel.pipeline.schedules import get_schedule
+        from parallel.pipeline.stages import layer_split, n_stages_of
+        n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        try:
+            get_schedule(p.schedule, p.pp, n_micro)
+            layer_split(cfg.model.n_layers, n_stages_of(p.schedule, p.pp), p.pp_layout)
+        except ValueError as e:
+            raise ConfigError(f"parallel.schedule={p.schedule} with {n_micro} micro-batches per step "
+                              f"(train.global_batch_size / (train.micro_batch_size x dp {dp})): {e}") from e
     if d.seq_len <= 1 or d.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) must be in 2..model.max_seq_len ({cfg.model.max_seq_len})")
     if not 0 < d.val_fraction < 1:

@@ -44,21 +44,26 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
     _all_reduce_flat(experts, dims.group("edp") if dims.edp > 1 else None, 1.0 / dims.dp)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims) -> float:
-    """Global L2 norm over all parameters (expert shards summed over the EP group); clip in place."""
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None) -> float:
+    """Global L2 norm over all parameters, clipped in place. Expert shards are summed over the EP group,
+    pipeline stages over the pp group; ``weight(name)`` (1 / holders) counts a tensor held by several
+    pipeline ranks (DualPipe replicas, tied embeddings) once."""
     expert = is_expert_param(model)
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     for n, p in model.named_parameters():
         if p.grad is not None:
-            sq = p.grad.detach().double().pow(2).sum().cpu()
+            sq = p.grad.detach().double().pow(2).sum().cpu() * (weight(n) if weight else 1.0)
             if expert[n]:
                 expert_sq += sq
             else:
                 dense_sq += sq
     if dims.ep > 1:
         dist.all_reduce(expert_sq, group=dims.group("ep"))
-    total = math.sqrt(float(dense_sq + expert_sq))
+    total_sq = dense_sq + expert_sq
+    if dims.pp > 1:
+        dist.all_reduce(total_sq, group=dims.group("pp"))
+    total = math.sqrt(float(total_sq))
     if max_norm > 0:
         coef = min(1.0, max_norm / (total + 1e-6))
         if coef < 1.0:

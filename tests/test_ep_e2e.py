@@ -1,38 +1,12 @@
 """End to end: torchrun with expert + data parallelism reproduces the single-process losses."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from .trainer_utils import ROOT, read_jsonl
-
-COMMON = ["+exp=tiny", "train.max_steps=5", "logging.wandb.mode=disabled", "logging.progress=false"]
-
-
-def run(tmp_path, name, nproc, *overrides):
-    run_dir = tmp_path / name
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    cmd = [*launcher, "-m", "trainer", *COMMON, f"hydra.run.dir={run_dir}", f"data.cache_dir={tmp_path}/cache",
-           *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_jsonl(run_dir / "metrics.jsonl")
-
+from .trainer_utils import assert_losses_match, run_torchrun as run
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     return run(tmp, "single", 1)
-
-
-def assert_losses_match(got, want, rel=1e-5):
-    assert [m["step"] for m in got] == [m["step"] for m in want]
-    for g, w in zip(got, want):
-        assert abs(g["loss"] - w["loss"]) <= rel * abs(w["loss"]), (g["step"], g["loss"], w["loss"])
 
 
 @pytest.mark.slow

@@ -37,3 +37,22 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     full_env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+def run_torchrun(tmp_path: Path, name: str, nproc: int, *overrides: str) -> list[dict]:
+    """``+exp=tiny`` for 5 steps under torchrun (or one process when nproc == 1); returns metrics lines."""
+    run_dir = tmp_path / name
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    cmd = [*launcher, "-m", "trainer", "+exp=tiny", "train.max_steps=5", "logging.wandb.mode=disabled",
+           "logging.progress=false", f"hydra.run.dir={run_dir}", f"data.cache_dir={tmp_path}/cache", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def assert_losses_match(got: list[dict], want: list[dict], rel: float = 1e-5) -> None:
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= rel * abs(w["loss"]), (g["step"], g["loss"], w["loss"])

@@ -19,11 +19,12 @@ from models.config import ConfigError
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_, clip_grad_norm, sync_gradients
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
+from parallel.pipeline.runner import PipelineRunner
 from parallel.state_dict import to_global, to_local
 
 from .checkpoint import CheckpointManager
 from .data import PackedBatches, load_corpus, val_batches
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, rank_memory
 
 
 def pick_device(name: str) -> torch.device:
@@ -66,6 +67,11 @@ class Trainer:
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
         self.model = apply_ep(models.build(cfg.model, device=self.device, seed=t.seed), self.dims,
                               dispatcher=cfg.parallel.ep_dispatcher)
+        self.pipe = None
+        if self.dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
+            n_micro = t.global_batch_size // (t.micro_batch_size * self.dims.dp)
+            self.pipe = PipelineRunner(self.model, self.dims, cfg.parallel.schedule, n_micro,
+                                       cfg.parallel.pp_layout, self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, t.max_steps))
@@ -146,7 +152,7 @@ class Trainer:
         t = self.cfg.train
         self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
             OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
-            is_main=self.dims.is_main)
+            is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size)
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
         summary = {"val_loss_start": None, "val_loss_end": None}
@@ -174,7 +180,8 @@ class Trainer:
         self.logger.write(
             f"done: step {self.step}/{t.max_steps}, {tok} tokens in {elapsed:.1f}s ({tok / max(elapsed, 1e-9):.0f} tok/s)"
             f"; loss {metrics.get('loss', float('nan')):.4f}; val_loss "
-            f"{_fmt(summary['val_loss_start'])} -> {_fmt(summary['val_loss_end'])}; run dir {self.run_dir}")
+            f"{_fmt(summary['val_loss_start'])} -> {_fmt(summary['val_loss_end'])}{self.logger.summary()}; "
+            f"run dir {self.run_dir}")
         self.logger.close()
         return summary | {"last": metrics}
 
@@ -184,18 +191,24 @@ class Trainer:
         mtp_w = t.mtp_loss_weight.at(self.step, self.tokens)
         gamma = t.bias_update_speed.at(self.step, self.tokens)
         input_ids, labels = self.batches.next_batch()          # this dp rank's share of the global batch
-        n_micro = input_ids.shape[0] // t.micro_batch_size
-        sums = torch.zeros(3)
-        for ids, lab in zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)):
-            ids, lab = ids.to(self.device), lab.to(self.device)
+        micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
+        n_micro = len(micro)
+        if self.pipe is not None:
             with self.autocast:
-                out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
-            (out.loss / n_micro).backward()
-            sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float().cpu()
+                sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
+            self.pipe.sum_replica_grads(self.model)
+        else:
+            sums = torch.zeros(3)
+            for ids, lab in micro:
+                ids, lab = ids.to(self.device), lab.to(self.device)
+                with self.autocast:
+                    out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
+                (out.loss / n_micro).backward()
+                sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float().cpu()
         clip = self.cfg.optim.grad_clip
         if self.dims.world_size > 1:
             sync_gradients(self.model, self.dims)
-            grad_norm = clip_grad_norm(self.model, clip, self.dims)
+            grad_norm = clip_grad_norm(self.model, clip, self.dims, self.pipe.grad_weight if self.pipe else None)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         lr = self.scheduler.get_last_lr()[0]
@@ -212,7 +225,7 @@ class Trainer:
         return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                 "grad_norm": float(grad_norm), "tokens": self.tokens, "step_time_s": dt,
                 "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                "max_expert_load_over_mean": imbalance, **self._ep_metrics()}
+                "max_expert_load_over_mean": imbalance, **self._ep_metrics(), **rank_memory(self.device, self.dims)}
 
     def _ep_metrics(self) -> dict:
         """Dispatcher counters of this step over all MoE layers (summed/maxed over ranks), then reset."""
@@ -233,6 +246,8 @@ class Trainer:
     def update_expert_bias(self, gamma: float) -> list[torch.Tensor]:
         """Sign-rule bias update from this step's expert load (whole global batch); resets the counters."""
         loads = []
+        if self.pipe is not None:   # DualPipe twins each counted their own direction's micro-batches
+            self.pipe.sum_replica_loads({n: b for n, b in self.model.named_buffers() if n.endswith("tokens_per_expert")})
         for moe in self.model.moe_layers():
             load = all_reduce_sum_(moe.tokens_per_expert.clone(), self.dims)   # global batch, all dp ranks
             moe.update_bias(load, gamma)
@@ -243,6 +258,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
+        if self.pipe is not None:
+            with self.autocast:
+                loss = self.pipe.evaluate(self.val)
+            self.model.train()
+            return loss
         losses = []
         for ids, lab in self.val:
             with self.autocast:

@@ -1,0 +1,86 @@
+"""``PipelineRunner``: what the trainer needs from pipeline parallelism, in one object.
+
+Built from the full single-device model (already expert-sharded): it keeps this rank's stages, prunes
+the rest, owns the executor for this rank's action list and the replica sums (DualPipe's twin stages,
+tied embeddings), and runs forward-only evaluation through the stages.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.transformer import DeepSeekV3
+
+from ..dims import ParallelDims
+from .executor import PipelineExecutor
+from .replicas import ReplicaSync
+from .schedules import get_schedule
+from .stages import build_stages, n_stages_of, prune_model
+
+
+class PipelineRunner:
+    def __init__(self, model: DeepSeekV3, dims: ParallelDims, schedule: str, n_microbatches: int,
+                 layout: list[int] | None = None, device: torch.device | str = "cpu"):
+        self.dims, self.schedule, self.cfg = dims, schedule, model.cfg
+        self.n_stages = n_stages_of(schedule, dims.pp)
+        self.stages = build_stages(model, schedule, dims.pp, dims.pp_rank, layout)
+        prune_model(model, self.stages)
+        self.replicas = ReplicaSync(model.cfg, schedule, dims, layout)
+        self.pp_ranks = dims.group("pp_ranks")
+        actions = get_schedule(schedule, dims.pp, n_microbatches)[dims.pp_rank]
+        self.executor = PipelineExecutor(self.stages, actions, self.pp_ranks, self.n_stages, model.cfg.dim, device)
+        self.device = torch.device(device)
+
+    def forward_backward(self, micro_batches, loss_scale: float, mtp_weight: float, aux_alpha: float) -> torch.Tensor:
+        """Run the schedule; returns ``[lm_sum, mtp_sum, aux_sum, n_microbatches]`` summed over the pipeline."""
+        s = self.executor.step(micro_batches, loss_scale, mtp_weight, aux_alpha)
+        out = torch.stack([s["lm"], s["mtp"], s["aux"], s["n"]])
+        dist.all_reduce(out, group=self.dims.group("pp"))
+        return out
+
+    def sum_replica_grads(self, model) -> None:
+        self.replicas.sum_grads(model)
+
+    def sum_replica_loads(self, named_loads: dict[str, torch.Tensor]) -> None:
+        self.replicas.sum_(named_loads)
+
+    def grad_weight(self, name: str) -> float:
+        return self.replicas.weight(name)
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean LM loss over ``batches``, stage by stage (each stage on its first holder rank)."""
+        holder = {}
+        for chunk, st in self.stages.items():
+            holder[st.stage] = chunk
+        owner = self._owners()
+        total = torch.zeros((), dtype=torch.float64)
+        for ids, labels in batches:
+            ids, labels = ids.to(self.device), labels.to(self.device)
+            h = None
+            for s in range(self.n_stages):
+                rank = owner[s]
+                if rank == self.dims.pp_rank:
+                    if s > 0 and owner[s - 1] != rank:
+                        h = torch.empty(ids.shape[0], ids.shape[1], self.cfg.dim, device=self.device)
+                        dist.recv(h, src=self.pp_ranks[owner[s - 1]])
+                    out, parts = self.stages[holder[s]](h, ids, labels)
+                    if parts is not None:
+                        total += float(parts[0])
+                    else:
+                        h = out
+                        if owner[s + 1] != rank:
+                            dist.send(h.contiguous(), dst=self.pp_ranks[owner[s + 1]])
+        dist.all_reduce(total, group=self.dims.group("pp"))   # only the last stage's owner added to it
+        return float(total) / max(len(batches), 1)
+
+    def _owners(self) -> dict[int, int]:
+        """Stage -> the pipeline rank that runs it in evaluation (chunk 0 holder first)."""
+        from .stages import stage_ids
+        owners: dict[int, int] = {}
+        for chunk in (0, 1):
+            for r in range(self.dims.pp):
+                s = stage_ids(self.schedule, self.dims.pp, r).get(chunk)
+                if s is not None and s not in owners:
+                    owners[s] = r
+        return owners
