@@ -92,21 +92,26 @@ class ParallelDims:
         """Create every process group once (all ranks call ``new_group`` in the same order)."""
         import torch.distributed as dist
 
-        def make(name: str, rank_lists: list[list[int]]) -> None:
+        w, dp, ep, rpn = self.world_size, self.dp, self.ep, self.ep_ranks_per_node
+        layouts = {
+            "pp": [list(range(i, w, dp)) for i in range(dp)],
+            "dp": [list(range(p * dp, (p + 1) * dp)) for p in range(self.pp)],
+            "ep": [list(range(b, b + ep)) for b in range(0, w, ep)],
+            "edp": [list(range(p * dp + e, (p + 1) * dp, ep)) for p in range(self.pp) for e in range(ep)],
+            # Hierarchical all-to-all: the same local index across the EP group's nodes, and one node's ranks.
+            "ep_inter": [list(range(b + l, b + ep, rpn)) for b in range(0, w, ep) for l in range(rpn)],
+            "ep_intra": [list(range(b + n * rpn, b + (n + 1) * rpn)) for b in range(0, w, ep) for n in range(ep // rpn)],
+        }
+        # Twins of the EP groups for backward all-to-alls: an overlapped F&B runs a forward and a backward
+        # in two threads, and each thread must own its groups for collectives to match across ranks.
+        for name in ("ep", "ep_inter", "ep_intra"):
+            layouts[name + "_b"] = layouts[name]
+        for name, rank_lists in layouts.items():
             for ranks in rank_lists:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups[name] = g
                     self.groups[name + "_ranks"] = ranks
-
-        w, dp, ep, rpn = self.world_size, self.dp, self.ep, self.ep_ranks_per_node
-        make("pp", [list(range(i, w, dp)) for i in range(dp)])
-        make("dp", [list(range(p * dp, (p + 1) * dp)) for p in range(self.pp)])
-        make("ep", [list(range(b, b + ep)) for b in range(0, w, ep)])
-        make("edp", [list(range(p * dp + e, (p + 1) * dp, ep)) for p in range(self.pp) for e in range(ep)])
-        # Hierarchical all-to-all: the same local index across the EP group's nodes, and the ranks of one node.
-        make("ep_inter", [list(range(b + l, b + ep, rpn)) for b in range(0, w, ep) for l in range(rpn)])
-        make("ep_intra", [list(range(b + n * rpn, b + (n + 1) * rpn)) for b in range(0, w, ep) for n in range(ep // rpn)])
         from torch.distributed.device_mesh import init_device_mesh
         self.groups["mesh"] = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
                                                mesh_dim_names=("pp", "edp", "ep"))

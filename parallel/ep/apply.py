@@ -28,9 +28,11 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
         experts.expert_offset = start   # global index of local expert 0
         if dispatcher == "hierarchical" and dims.ep_nodes > 1:
             moe.dispatcher = HierarchicalDispatcher(moe.n_experts, dims.group("ep"), dims.group("ep_inter"),
-                                                    dims.group("ep_intra"), latency_s)
+                                                    dims.group("ep_intra"), latency_s,
+                                                    (dims.group("ep_inter_b"), dims.group("ep_intra_b")))
         elif dispatcher in ("hierarchical", "alltoall"):
-            moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node, latency_s)
+            moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node, latency_s,
+                                                dims.group("ep_b"))
         else:
             raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
         moe.dispatcher.name = name   # e.g. "layers.3.ffn", used in error messages

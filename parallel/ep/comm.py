@@ -35,8 +35,9 @@ class Pending:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, latency_s, pending, name):
-        ctx.out_splits, ctx.in_splits, ctx.group, ctx.latency_s, ctx.name = out_splits, in_splits, group, latency_s, name
+    def forward(ctx, x, out_splits, in_splits, group, latency_s, pending, name, bwd_group):
+        ctx.out_splits, ctx.in_splits, ctx.latency_s, ctx.name = out_splits, in_splits, latency_s, name
+        ctx.group = bwd_group if bwd_group is not None else group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
                                       async_op=pending is not None)
@@ -53,13 +54,16 @@ class _AllToAll(torch.autograd.Function):
             dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         if ctx.latency_s:
             time.sleep(ctx.latency_s)
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, latency_s: float = 0.0,
-               pending: Pending | None = None, name: str = "moe") -> torch.Tensor:
-    """Differentiable ``all_to_all_single``. With ``pending``, returns at once; wait on it before use."""
-    return _AllToAll.apply(x, out_splits, in_splits, group, latency_s, pending, name)
+               pending: Pending | None = None, name: str = "moe", bwd_group=None) -> torch.Tensor:
+    """Differentiable ``all_to_all_single``. With ``pending``, returns at once; wait on it before use.
+
+    ``bwd_group``: a twin of ``group`` used by the backward pass, so a backward running in another
+    thread (DualPipe's overlapped F&B) never interleaves its collectives with the forward's."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, latency_s, pending, name, bwd_group)
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:

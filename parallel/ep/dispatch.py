@@ -83,8 +83,8 @@ def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor) -> torch.Te
 
 
 class AllToAllDispatcher(_DispatcherBase):
-    def __init__(self, n_experts: int, group, ranks_per_node: int = 1, latency_s: float = 0.0):
-        self.group = group
+    def __init__(self, n_experts: int, group, ranks_per_node: int = 1, latency_s: float = 0.0, bwd_group=None):
+        self.group, self.bwd_group = group, bwd_group
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         self.n_experts, self.n_local = n_experts, n_experts // self.ep
@@ -102,7 +102,8 @@ class AllToAllDispatcher(_DispatcherBase):
         in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         self._count_crossings(topk_idx_TK, in_splits)
         pending = Pending()
-        x_recv = all_to_all(x_TD[order // K], out_splits, in_splits, self.group, self.latency_s, pending, self.name)
+        x_recv = all_to_all(x_TD[order // K], out_splits, in_splits, self.group, self.latency_s, pending, self.name,
+                            self.bwd_group)
 
         def finish():
             perm = _sort_source_major_to_expert_major(recv_counts)
@@ -115,7 +116,8 @@ class AllToAllDispatcher(_DispatcherBase):
         t0 = time.perf_counter()
         order, w_TK, in_splits, out_splits, perm = handle
         pending = Pending()
-        y_sorted = all_to_all(y_RD[torch.argsort(perm)], in_splits, out_splits, self.group, self.latency_s, pending, self.name)
+        y_sorted = all_to_all(y_RD[torch.argsort(perm)], in_splits, out_splits, self.group, self.latency_s, pending,
+                              self.name, self.bwd_group)
 
         def finish():
             T, K = w_TK.shape
@@ -138,10 +140,12 @@ class AllToAllDispatcher(_DispatcherBase):
 class HierarchicalDispatcher(_DispatcherBase):
     """Node-limited two-stage dispatch: inter-node (same local index) then intra-node."""
 
-    def __init__(self, n_experts: int, ep_group, inter_group, intra_group, latency_s: float = 0.0):
+    def __init__(self, n_experts: int, ep_group, inter_group, intra_group, latency_s: float = 0.0,
+                 bwd_groups: tuple | None = None):
         self.ep = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
         self.inter, self.intra = inter_group, intra_group
+        self.inter_b, self.intra_b = bwd_groups if bwd_groups else (None, None)
         self.n_nodes, self.rpn = dist.get_world_size(inter_group), dist.get_world_size(intra_group)
         assert self.n_nodes * self.rpn == self.ep, (self.n_nodes, self.rpn, self.ep)
         self.node = self.ep_rank // self.rpn
@@ -169,8 +173,8 @@ class HierarchicalDispatcher(_DispatcherBase):
         self.stats.cross_node_copies += sum(n for i, n in enumerate(in1) if i != self.node)
         if T:
             self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(goes_NT.sum(0).max()))
-        x1 = all_to_all(x_TD[pair_tok], out1, in1, self.inter, self.latency_s, None, self.name)
-        w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name)
+        x1 = all_to_all(x_TD[pair_tok], out1, in1, self.inter, self.latency_s, None, self.name, self.inter_b)
+        w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name, self.inter_b)
         ids1 = exchange_rows(ids_PK, out1, in1, self.inter)
         # Stage 2: the forwarding rank sends one copy per chosen expert to the rank of its node that hosts it.
         copy_row, copy_k = (ids1 >= 0).nonzero(as_tuple=True)
@@ -180,7 +184,7 @@ class HierarchicalDispatcher(_DispatcherBase):
         recv2 = exchange_counts(send2, self.intra)
         in2, out2 = send2.sum(1).tolist(), recv2.sum(1).tolist()
         pending = Pending()
-        x2 = all_to_all(x1[copy_row[order2]], out2, in2, self.intra, 0.0, pending, self.name)
+        x2 = all_to_all(x1[copy_row[order2]], out2, in2, self.intra, 0.0, pending, self.name, self.intra_b)
 
         def finish():
             perm = _sort_source_major_to_expert_major(recv2)
@@ -192,13 +196,13 @@ class HierarchicalDispatcher(_DispatcherBase):
     def _combine(self, y_RD, handle) -> _Handle:
         t0 = time.perf_counter()
         T, pair_tok, pair_node, in1, out1, w1, copy_row, copy_k, order2, in2, out2, perm = handle
-        y2 = all_to_all(y_RD[torch.argsort(perm)], in2, out2, self.intra, 0.0, None, self.name)
+        y2 = all_to_all(y_RD[torch.argsort(perm)], in2, out2, self.intra, 0.0, None, self.name, self.intra_b)
         # Forwarder: weight its node's expert outputs and sum them per received row (no index_add: deterministic).
         R1, K = w1.shape
         y_RKD = y2.new_zeros(R1 * K, y2.shape[-1]).index_put((copy_row[order2] * K + copy_k[order2],), y2)
         partial = (y_RKD.view(R1, K, y2.shape[-1]) * w1.unsqueeze(-1).to(y2.dtype)).sum(1)
         pending = Pending()
-        y1 = all_to_all(partial, in1, out1, self.inter, self.latency_s, pending, self.name)
+        y1 = all_to_all(partial, in1, out1, self.inter, self.latency_s, pending, self.name, self.inter_b)
 
         def finish():
             D = y1.shape[-1]

@@ -14,6 +14,10 @@ Shapes: activations and their gradients crossing stages are ``[micro_batch, seq,
 """
 from __future__ import annotations
 
+import threading
+import time
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 
@@ -23,13 +27,14 @@ from .stages import Stage
 
 class PipelineExecutor:
     def __init__(self, stages: dict[int, Stage], actions: list[Action], pp_ranks: list[int], n_stages: int,
-                 dim: int, device: torch.device | str = "cpu"):
+                 dim: int, device: torch.device | str = "cpu", overlap: bool = True):
         self.stages = stages                   # chunk -> Stage
         self.actions = actions
         self.pp_ranks = pp_ranks               # pipeline rank -> global rank
         self.n_stages = n_stages
         self.dim = dim
         self.device = torch.device(device)
+        self.overlap = overlap
 
     # ---- one optimizer step's worth of micro-batches ----------------------------------------------
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
@@ -41,8 +46,16 @@ class PipelineExecutor:
         self.inputs, self.outputs, self.aux, self.recv, self.in_grads = {}, {}, {}, {}, {}
         self.sends = []
         self.sums = {k: torch.zeros((), dtype=torch.float64) for k in ("lm", "mtp", "aux", "n")}
+        self.durations: dict[Kind, list[float]] = defaultdict(list)   # compute action wall times, this step
+        t_start = first = last = time.perf_counter()
         for a in self.actions:
+            t0 = time.perf_counter()
             getattr(self, "_" + a.kind.name.lower())(a)
+            if a.is_compute:
+                last = time.perf_counter()
+                first = t0 if not self.durations else first
+                self.durations[a.kind].append(last - t0)
+        self.span_s = last - (first if self.durations else t_start)   # first compute start -> last compute end
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
@@ -119,9 +132,29 @@ class PipelineExecutor:
             self.in_grads[(a.mb, a.stage)] = x.grad
 
     def _fb(self, a: Action) -> None:
+        """F&B: with ``overlap`` the backward half runs in a second thread while this thread runs the
+        forward half, so one micro-batch's expert all-to-all (its own process-group twins) travels
+        while the other computes; without it they run one after the other."""
         fwd, bwd = a.parts()
-        self._f(fwd)
-        self._bw(bwd)
+        if not self.overlap:
+            self._f(fwd)
+            self._bw(bwd)
+            return
+        error: list[BaseException] = []
+
+        def backward():
+            try:
+                self._bw(bwd)
+            except BaseException as e:   # re-raised in the main thread
+                error.append(e)
+        t = threading.Thread(target=backward, name="pipeline-backward")
+        t.start()
+        try:
+            self._f(fwd)   # the main thread keeps autocast and grad mode
+        finally:
+            t.join()
+        if error:
+            raise error[0]
 
     # ---- communication ---------------------------------------------------------------------------
     def _tag(self, a: Action) -> int:

@@ -13,6 +13,7 @@ from models.transformer import DeepSeekV3
 
 from ..dims import ParallelDims
 from .executor import PipelineExecutor
+from .schedules.actions import Kind
 from .replicas import ReplicaSync
 from .schedules import get_schedule
 from .stages import build_stages, n_stages_of, prune_model
@@ -20,15 +21,17 @@ from .stages import build_stages, n_stages_of, prune_model
 
 class PipelineRunner:
     def __init__(self, model: DeepSeekV3, dims: ParallelDims, schedule: str, n_microbatches: int,
-                 layout: list[int] | None = None, device: torch.device | str = "cpu"):
+                 layout: list[int] | None = None, device: torch.device | str = "cpu", overlap: bool = True):
         self.dims, self.schedule, self.cfg = dims, schedule, model.cfg
         self.n_stages = n_stages_of(schedule, dims.pp)
         self.stages = build_stages(model, schedule, dims.pp, dims.pp_rank, layout)
         prune_model(model, self.stages)
         self.replicas = ReplicaSync(model.cfg, schedule, dims, layout)
         self.pp_ranks = dims.group("pp_ranks")
-        actions = get_schedule(schedule, dims.pp, n_microbatches)[dims.pp_rank]
-        self.executor = PipelineExecutor(self.stages, actions, self.pp_ranks, self.n_stages, model.cfg.dim, device)
+        self._schedule = get_schedule(schedule, dims.pp, n_microbatches)
+        actions = self._schedule[dims.pp_rank]
+        self.executor = PipelineExecutor(self.stages, actions, self.pp_ranks, self.n_stages, model.cfg.dim, device,
+                                         overlap)
         self.device = torch.device(device)
 
     def forward_backward(self, micro_batches, loss_scale: float, mtp_weight: float, aux_alpha: float) -> torch.Tensor:
@@ -37,6 +40,25 @@ class PipelineRunner:
         out = torch.stack([s["lm"], s["mtp"], s["aux"], s["n"]])
         dist.all_reduce(out, group=self.dims.group("pp"))
         return out
+
+    def bubble(self) -> tuple[float, float]:
+        """(measured, simulated) bubble fraction of this rank for the last step. Measured: idle share
+        between this rank's first and last compute action (waits on receives and on peers' collectives).
+        Simulated: the simulator on the same action lists with the step's measured mean costs."""
+        from .simulator import Costs, simulate
+        d = self.executor.durations
+        busy = sum(sum(v) for v in d.values())
+        measured = max(0.0, 1 - busy / self.executor.span_s) if self.executor.span_s > 0 else 0.0
+        mean = {k: sum(v) / len(v) for k, v in d.items() if v}
+        f = mean.get(Kind.F, 0.0)
+        bw = mean.get(Kind.BW, mean.get(Kind.B, 0.0) + mean.get(Kind.W, 0.0))
+        w = mean.get(Kind.W, bw / 2)
+        b = mean.get(Kind.B, bw - w)
+        costs = Costs(f=f, b=b, w=w, bw=bw, fb=mean.get(Kind.FB))
+        sim = simulate(self._schedule, costs)
+        r = self.dims.pp_rank
+        total = sim.bubble[r] + sim.busy[r]
+        return measured, (sim.bubble[r] / total if total > 0 else 0.0)
 
     def sum_replica_grads(self, model) -> None:
         self.replicas.sum_grads(model)
