@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from models.config import ConfigError, ModelConfig
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("none", "1f1b", "dualpipe", "dualpipev")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -72,7 +72,7 @@ class TrainConfig:
     seed: int = 0                     # model init and data order
     global_batch_size: int = 16       # sequences per optimizer step (over all data-parallel ranks)
     micro_batch_size: int = 8         # sequences per forward/backward on one rank
-    precision: str = "fp32"           # fp32 | bf16 (autocast, fp32 master weights)
+    precision: str = "fp32"           # fp32 | bf16 (autocast, fp32 master weights) | fp8 (bf16 + FP8 linears/experts)
     device: str = "auto"              # auto (cuda if available) | cpu | cuda
     eval_every: int = 50              # validation every N steps (and before the first / after the last); 0 = only those
     eval_batches: int = 4             # validation batches of micro_batch_size sequences

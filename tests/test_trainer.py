@@ -152,3 +152,16 @@ def test_expert_bias_moves_with_load(tmp_path, cache):
         expected = 0.001 * (load.mean() - load).sign()
         assert (moe.gate.expert_bias == expected).all()
         assert moe.tokens_per_expert.sum() == 0   # reset for the next step
+
+
+def test_fp8_training_runs(tmp_path, cache):
+    """train.precision=fp8: FP8 linears and experts (emulation backend on CPU) under bf16 autocast."""
+    from trainer.train import Trainer
+    from .trainer_utils import make_config
+    trainer = Trainer(make_config(*fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=2",
+                                  "train.precision=fp8", "checkpoint.save_final=false"), tmp_path)
+    from parallel.fp8 import FP8Linear
+    assert isinstance(trainer.model.layers[0].attn.wo, FP8Linear)
+    assert not isinstance(trainer.model.head, FP8Linear)
+    summary = trainer.train()
+    assert abs(summary["last"]["loss"] - 6.93) < 0.3

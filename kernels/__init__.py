@@ -1,0 +1,57 @@
+"""FP8 (E4M3) kernels for DeepSeek-V3-style training: blockwise quantisation and blockwise-scaled GEMMs.
+
+Two interchangeable backends expose the same functions (see ``reference.py`` for the API):
+
+- ``triton``: the Triton kernels in ``quant.py``, ``gemm.py`` and ``grouped_gemm.py``. On a machine
+  without CUDA they run under the Triton interpreter (``TRITON_INTERPRET=1``, set below before any
+  ``@triton.jit`` runs) — slow, only for tests.
+- ``emulation``: ``reference.py`` in plain torch: quantise exactly like the kernels (bit-identical
+  FP8 bytes and scales), dequantise, matmul in FP32. Fast enough to train small models on CPU.
+
+``get_ops("auto", device)`` picks ``triton`` on CUDA and ``emulation`` elsewhere. Importing this
+package does not import triton; ``get_ops("triton")`` does.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must happen before triton decorates any kernel (importing triton first is fine).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BACKENDS = ("auto", "triton", "emulation")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``emulation`` otherwise; other names are checked and returned."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8 backend {backend!r}: must be one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "emulation"
+    return backend
+
+
+_TRITON_OPS: types.SimpleNamespace | None = None
+
+
+def get_ops(backend: str, device: torch.device | str = "cpu"):
+    """The op namespace of ``backend``: ``quant_act``, ``quant_act_t``, ``quant_weight``, ``gemm``,
+    ``grouped_gemm``, ``grouped_wgrad`` (signatures in ``reference.py``)."""
+    global _TRITON_OPS
+    if resolve_backend(backend, device) == "emulation":
+        from . import reference
+        return reference
+    if _TRITON_OPS is None:
+        from . import gemm, grouped_gemm, quant
+        _TRITON_OPS = types.SimpleNamespace(
+            quant_act=quant.quant_act, quant_act_t=quant.quant_act_t, quant_weight=quant.quant_weight,
+            gemm=gemm.gemm, grouped_gemm=grouped_gemm.grouped_gemm, grouped_wgrad=grouped_gemm.grouped_wgrad)
+    return _TRITON_OPS

@@ -1,0 +1,115 @@
+"""Triton blockwise-scaled FP8 GEMM (family: dense FP8 GEMM with FP32 promotion every 128 of K).
+
+``c [M,N] = a [M,K] · b [N,K]ᵀ`` with E4M3 operands and FP32 per-tile scales (``x ≈ q * s``):
+- ``a``: 1×128 tiles along K, ``sa [M, ⌈K/128⌉]``;
+- ``b``: either 128×128 blocks, ``sb [⌈N/128⌉, ⌈K/128⌉]``, or 1×128 tiles per row, ``sb [N, ⌈K/128⌉]``.
+BLOCK_K is the scaling tile (128): each K step computes ``dot(a_tile, b_tile)`` and promotes it into the
+FP32 accumulator with both scales applied (``acc += dot · sa · sb``), so low-precision accumulation never
+spans more than 128 products. Output FP32 or BF16.
+
+Layouts: ``a``, ``b`` and the scales are logical views with arbitrary strides. The FP8 linear uses:
+- Fprop ``y = x·Wᵀ``:   a = x (``quant_act``), b = W (``quant_weight``), 128×128 scales;
+- Dgrad ``dx = dy·W``:  a = dy (``quant_act``), b = Wᵀ (``quant_weight(transpose=True)``), scales ``s.mT``;
+- Wgrad ``dW = dyᵀ·x``: a = dyᵀ, b = xᵀ (both ``quant_act_t``: 128×1 tiles along tokens), per-row scales.
+All three feed K-contiguous operands (Hopper's FP8 wgmma reads both operands K-major; other strides work
+but disable Triton's pipelining). Tests also run the strided views (``W.mT``, ``dy.T``) of each layout.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .reference import FP8_DTYPE, TILE, _b_group, cdiv
+
+_TILE = tl.constexpr(TILE)
+GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+
+
+@triton.jit
+def round_output(acc, c_ptr):
+    """``acc`` in the dtype of ``*c_ptr``. For BF16, RNE onto the BF16 grid in integer ops first, so the
+    final cast is exact (the interpreter's own FP32->BF16 cast drops mantissa carries)."""
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        acc = bits.to(tl.float32, bitcast=True)
+    return acc.to(c_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
+                 stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                 stride_sam, stride_sak, stride_sbn, stride_sbk,
+                 SB_GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped program order (GROUP_M row tiles share their B tiles in L2).
+    pid = tl.program_id(0)
+    grid_m, grid_n = (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M      # wrap: loads stay in bounds, store masks
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, _TILE)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    sa_ptrs = sa_ptr + offs_m * stride_sam
+    sb_ptrs = sb_ptr + (offs_n // SB_GROUP_N) * stride_sbn
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for kt in range(0, (K + _TILE - 1) // _TILE):
+        k_left = K - kt * _TILE
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        sa = tl.load(sa_ptrs + kt * stride_sak)
+        sb = tl.load(sb_ptrs + kt * stride_sbk)
+        acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]   # FP32 promotion per 128 of K
+        a_ptrs += _TILE * stride_ak
+        b_ptrs += _TILE * stride_bk
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             round_output(acc, c_ptr), mask=mask)
+
+
+def pick_config(M: int, N: int, config: dict | None = None) -> dict:
+    """Tile sizes: ``config`` if given; the interpreter gets one or few big programs (~10-20 ms each)."""
+    if config is not None:
+        return {**GPU_CONFIG, **config}
+    if interpreting():
+        def block(n):
+            return min(256, max(16, triton.next_power_of_2(n)))
+        return {"BLOCK_M": block(M), "BLOCK_N": block(N), "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
+    return dict(GPU_CONFIG)
+
+
+def check_operands(a, sa, b, sb, out_dtype) -> None:
+    assert a.dtype == b.dtype == FP8_DTYPE, (a.dtype, b.dtype)
+    assert sa.dtype == sb.dtype == torch.float32, (sa.dtype, sb.dtype)
+    assert out_dtype in (torch.float32, torch.bfloat16), out_dtype
+    assert a.device == b.device == sa.device == sb.device, (a.device, b.device, sa.device, sb.device)
+
+
+def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+         out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """``a [M,K] · b [N,K]ᵀ`` -> ``[M,N]`` in ``out_dtype``; see the module docstring for scales/layouts."""
+    check_operands(a, sa, b, sb, out_dtype)
+    assert a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1], (a.shape, b.shape)
+    M, K = a.shape
+    N = b.shape[0]
+    assert sa.shape == (M, cdiv(K, TILE)), f"sa {tuple(sa.shape)} must be [M, ceil(K/128)] = [{M}, {cdiv(K, TILE)}]"
+    group = _b_group(b, sb)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0 or K == 0:
+        return c.zero_()
+    cfg = pick_config(M, N, config)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    _gemm_kernel[grid](a, b, c, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                       c.stride(0), c.stride(1), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+                       SB_GROUP_N=group, **cfg)
+    return c

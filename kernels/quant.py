@@ -1,0 +1,183 @@
+"""Triton FP8 quantisation kernels (family: blockwise E4M3 quantisation).
+
+Format: E4M3 (``torch.float8_e4m3fn``), saturating at ±448, round-to-nearest-even; per-tile FP32 scale
+``s = max(amax, 2^-100) / 448`` (optionally rounded up to a power of two), ``q = e4m3(x / s)``, so
+``x ≈ q * s``. Bit-identical to ``reference.py`` (tested under the interpreter).
+
+Granularity and layout (T = 128):
+- ``quant_act(x [M,K])``            1×T tiles along K (row-major in, row-major out), ``s [M, ⌈K/T⌉]``.
+- ``quant_act_t(x [R,C], tpe)``     T×1 tiles (T rows of one column) restarting at each expert's first
+  row; output transposed ``qT [C,R]`` (K-major for the Wgrad GEMM), ``sT [C, ⌈R/T⌉+E-1]``.
+- ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous.
+- ``cast_to_e4m3(x)``               the bare saturating RNE cast (tests the rounding exhaustively).
+
+The FP32 -> E4M3 conversion first rounds onto the E4M3 grid in FP32 (``_round_to_e4m3``) so the final cast
+is exact: the Triton interpreter's own downcast drops mantissa carries, rounds ties up and does not
+saturate, and this keeps one code path for GPU and interpreter. Divisions use ``div_rn`` (IEEE) so the
+GPU result matches torch's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .reference import AMAX_FLOOR, FP8_DTYPE, TILE, cdiv, segment_tiles, segments
+
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_TILE = tl.constexpr(TILE)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """Saturating RNE of FP32 ``x`` onto the E4M3 grid (result exactly representable in E4M3)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    ax = tl.abs(x)
+    e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # subnormal step 2^-9
+    magic = ((e + 147) << 23).to(tl.float32, bitcast=True)                     # grid step 2^(e-3), times 2^23
+    r = (ax + magic) - magic                                                   # FP32 RNE onto the step
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _amax(x, axis: tl.constexpr):
+    # Not tl.max: triton.language's own @jit helpers (max, cdiv, zeros) fail under the interpreter when
+    # triton was imported before TRITON_INTERPRET was set, so the kernels use builtins only. This
+    # combine function is the one tl.max uses; the interpreter maps it onto numpy (a custom one would
+    # be reduced element by element in Python).
+    return tl.reduce(tl.abs(x), axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _scale_from_amax(amax, POW2: tl.constexpr):
+    s = tl.math.div_rn(tl.maximum(amax, _FLOOR), 448.0)
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (exp << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _cast_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(q_ptr + offs, _round_to_e4m3(x).to(q_ptr.dtype.element_ty), mask=offs < n)
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                      BLOCK_M: tl.constexpr, POW2: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.program_id(1) * _TILE + tl.arange(0, _TILE)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = _scale_from_amax(_amax(x, 1), POW2)
+    q = _round_to_e4m3(tl.math.div_rn(x, s[:, None]))
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + tl.program_id(1), s, mask=offs_m < M)
+
+
+@triton.jit
+def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, stride_xr, stride_qc, stride_sc,
+                        BLOCK_C: tl.constexpr, POW2: tl.constexpr):
+    t = tl.program_id(0)
+    rs = tl.load(row_start_ptr + t)
+    re = tl.load(row_end_ptr + t)
+    offs_r = rs + tl.arange(0, _TILE)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r[:, None] < re) & (offs_c[None, :] < C)
+    x = tl.load(x_ptr + offs_r[:, None] * stride_xr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = _scale_from_amax(_amax(x, 0), POW2)                      # [BLOCK_C]
+    q = _round_to_e4m3(tl.math.div_rn(x, s[None, :]))
+    tl.store(q_ptr + offs_c[None, :] * stride_qc + offs_r[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_c * stride_sc + t, s, mask=offs_c < C)
+
+
+@triton.jit
+def _quant_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qn,
+                         stride_qte, stride_qtk, stride_se, stride_sn, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
+    pid_n, pid_k, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * _TILE + tl.arange(0, _TILE)
+    offs_k = pid_k * _TILE + tl.arange(0, _TILE)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    s = _scale_from_amax(_amax(_amax(w, 1), 0), POW2)
+    q = _round_to_e4m3(tl.math.div_rn(w, s)).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + e * stride_qe + offs_n[:, None] * stride_qn + offs_k[None, :], q, mask=mask)
+    if TRANSPOSE:
+        tl.store(qt_ptr + e * stride_qte + offs_k[None, :] * stride_qtk + offs_n[:, None], q, mask=mask)
+    tl.store(s_ptr + e * stride_se + pid_n * stride_sn + pid_k, s)
+
+
+# ----------------------------------------------------------------------------------------------- wrappers
+def _check_input(x: torch.Tensor, dims: tuple[int, ...]) -> None:
+    assert x.dim() in dims, f"expected {dims}-D input, got {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
+    assert x.stride(-1) == 1, f"last dim must be contiguous, strides {x.stride()}"
+
+
+def _rows_block(rows: int, cap: int) -> int:
+    """Interpreter: as few programs as possible (~10-20 ms each); GPU: ``cap``."""
+    return min(1024, triton.next_power_of_2(max(rows, 1))) if interpreting() else cap
+
+
+def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Saturating RNE cast of an FP32 tensor to E4M3 (no scaling)."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    block = 1 << 16 if interpreting() else 1024
+    if x.numel():
+        _cast_kernel[(cdiv(x.numel(), block),)](x, q, x.numel(), BLOCK=block)
+    return q
+
+
+def quant_act(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M,K]`` (fp32/bf16/fp16, rows contiguous) -> ``q [M,K]`` e4m3, ``s [M,⌈K/128⌉]`` fp32."""
+    _check_input(x, (2,))
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((M, cdiv(K, TILE)), dtype=torch.float32, device=x.device)
+    if M and K:
+        block_m = _rows_block(M, 32)
+        _quant_act_kernel[(cdiv(M, block_m), cdiv(K, TILE))](
+            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block_m, POW2=pow2, num_warps=4)
+    return q, s
+
+
+def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R,C]`` -> ``qT [C,R]`` e4m3, ``sT [C,⌈R/128⌉+E-1]`` fp32: 128×1 tiles restarting per expert."""
+    _check_input(x, (2,))
+    R, C = x.shape
+    counts = segments(tokens_per_expert, R, x.device)
+    tiles = segment_tiles(counts, R, TILE)
+    n = tiles["row_start"].numel()
+    q = torch.empty((C, R), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((C, n), dtype=torch.float32, device=x.device)
+    if n and C:
+        block_c = _rows_block(C, 64)
+        _quant_act_t_kernel[(n, cdiv(C, block_c))](
+            x, q, s, tiles["row_start"], tiles["row_end"], C, x.stride(0), q.stride(0), s.stride(0),
+            BLOCK_C=block_c, POW2=pow2, num_warps=4)
+    return q, s
+
+
+def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
+    """``w [...,N,K]`` (2-D or 3-D) -> ``q`` e4m3 same shape, ``s [...,⌈N/128⌉,⌈K/128⌉]`` fp32, and with
+    ``transpose`` also ``q_t = q.mT`` contiguous (the K-major Dgrad operand; scales ``s.mT``)."""
+    _check_input(w, (2, 3))
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    E, N, K = w3.shape
+    q = torch.empty((E, N, K), dtype=FP8_DTYPE, device=w.device)
+    qt = torch.empty((E, K, N) if transpose else (1, 1, 1), dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty((E, cdiv(N, TILE), cdiv(K, TILE)), dtype=torch.float32, device=w.device)
+    if E and N and K:
+        _quant_weight_kernel[(cdiv(N, TILE), cdiv(K, TILE), E)](
+            w3, q, qt, s, N, K, w3.stride(0), w3.stride(1), q.stride(0), q.stride(1), qt.stride(0), qt.stride(1),
+            s.stride(0), s.stride(1), POW2=pow2, TRANSPOSE=transpose, num_warps=8)
+    if w.dim() == 2:
+        q, s, qt = q[0], s[0], qt[0]
+    return (q, s, qt) if transpose else (q, s)

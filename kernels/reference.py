@@ -1,0 +1,203 @@
+"""Plain-torch FP8 reference — the ``emulation`` backend and the oracle the Triton kernels are tested against.
+
+Format: E4M3 (``torch.float8_e4m3fn``, max 448), saturating, round-to-nearest-even. A quantised tensor is
+``(q, s)`` with ``x ≈ q.float() * s`` per tile; ``s = max(amax, 2^-100) / 448`` in FP32 (or that value
+rounded *up* to a power of two with ``pow2=True``) and ``q = e4m3(clamp(x / s, ±448))`` — the same FP32
+operations, in the same order, as the kernels, so FP8 bytes and scales are bit-identical.
+
+Scaling granularity (T = 128 elements):
+- ``quant_act``    activations / activation gradients, 1×T tiles along the last dim: ``x [M,K]`` ->
+  ``q [M,K]``, ``s [M, ⌈K/T⌉]``.
+- ``quant_act_t``  the same values tiled T×1 (T tokens × 1 channel) for Wgrad, written transposed so the
+  contraction dim (tokens) is contiguous: ``x [R,C]`` -> ``qT [C,R]``, ``sT [C, n_tiles]``. With
+  ``tokens_per_expert`` the tiles restart at every expert's first row (a tile never spans two experts);
+  ``n_tiles = ⌈R/T⌉ + E - 1`` (an upper bound, unused tiles get the all-zero scale).
+- ``quant_weight`` weights, T×T blocks over the last two dims: ``w [...,N,K]`` -> ``q``, ``s [...,⌈N/T⌉,⌈K/T⌉]``.
+
+GEMMs (FP32 accumulation; output BF16/FP32), operands are logical views, any strides:
+- ``gemm(a [M,K], sa [M,⌈K/T⌉], b [N,K], sb, out_dtype) = a·bᵀ`` with ``sb`` either T×T blocks
+  ``[⌈N/T⌉,⌈K/T⌉]`` (Fprop: b = W; Dgrad: b = Wᵀ) or per-row ``[N,⌈K/T⌉]`` (Wgrad: b = xᵀ from ``quant_act_t``).
+- ``grouped_gemm(a [R,K], sa, b [E,N,K], sb [E,⌈N/T⌉,⌈K/T⌉], tokens_per_expert, out_dtype)``: rows of
+  expert e (rows sorted by expert) times ``b[e]ᵀ`` (routed-expert Fprop and Dgrad).
+- ``grouped_wgrad(aT [N,R], sa [N,n_tiles], bT [K,R], sb [K,n_tiles], tokens_per_expert) -> [E,N,K]``:
+  per expert, ``aT[:, seg_e] · bT[:, seg_e]ᵀ`` with the segment-aligned T×1 scales of ``quant_act_t``.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+TILE = 128
+AMAX_FLOOR = 2.0 ** -100   # all-zero tiles get s = 2^-100/448: never 0/NaN, and every scale is a normal FP32
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------- format
+def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
+    """Round positive normal FP32 values up to a power of two (exact, by exponent bits)."""
+    bits = s.float().contiguous().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp << 23).view(torch.float32)
+
+
+def scale_from_amax(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+    s = amax.float().clamp_min(AMAX_FLOOR) / FP8_MAX
+    return ceil_pow2(s) if pow2 else s
+
+
+def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Saturating round-to-nearest-even cast of FP32 values to E4M3."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _blocked(x: torch.Tensor, group_rows: int) -> torch.Tensor:
+    """View the last two dims ``[R, C]`` as tiles ``[⌈R/g⌉, g, ⌈C/128⌉, 128]`` (zero-padded only if needed)."""
+    R, C = x.shape[-2:]
+    pad_r, pad_c = -R % group_rows, -C % TILE
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x.unflatten(-1, (-1, TILE)).unflatten(-3, (-1, group_rows))
+
+
+def _unblocked(xb: torch.Tensor, R: int, C: int) -> torch.Tensor:
+    x = xb.flatten(-2).flatten(-3, -2)
+    return x if x.shape[-2:] == (R, C) else x[..., :R, :C]
+
+
+def dequant(q: torch.Tensor, s: torch.Tensor, group_rows: int = 1) -> torch.Tensor:
+    """FP32 values of ``q`` with scales over (group_rows × 128) tiles of its last two dims."""
+    R, C = q.shape[-2:]
+    return _unblocked(_blocked(q.float(), group_rows) * s.float()[..., :, None, :, None], R, C)
+
+
+def _quant_tiles(x: torch.Tensor, group_rows: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., R, C]`` per (group_rows × 128) tile: ``(q [..., R, C], s [..., ⌈R/g⌉, ⌈C/128⌉])``."""
+    R, C = x.shape[-2:]
+    xb = _blocked(x.float(), group_rows)
+    s = scale_from_amax(xb.abs().amax(dim=(-3, -1)), pow2)
+    q = cast_to_e4m3(xb / s[..., :, None, :, None])
+    return _unblocked(q, R, C).contiguous(), s
+
+
+# ------------------------------------------------------------------------------------------ quantisers
+def quant_act(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """1×128 tiles along the last dim: ``x [M,K]`` -> ``(q [M,K] e4m3, s [M,⌈K/128⌉] fp32)``."""
+    assert x.dim() == 2, x.shape
+    return _quant_tiles(x, 1, pow2)
+
+
+def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
+    """128×128 blocks over the last two dims: ``w [...,N,K]`` -> ``(q, s [...,⌈N/128⌉,⌈K/128⌉])``,
+    plus ``q_t = q.mT`` contiguous (the K-major operand of Dgrad; its scales are ``s.mT``) if ``transpose``."""
+    assert w.dim() in (2, 3), w.shape
+    q, s = _quant_tiles(w, TILE, pow2)
+    return (q, s, q.mT.contiguous()) if transpose else (q, s)
+
+
+def segments(tokens_per_expert: torch.Tensor | None, rows: int, device: torch.device | str) -> torch.Tensor:
+    """Per-expert row counts as int64 on ``device`` (one segment of ``rows`` when None)."""
+    if tokens_per_expert is None:
+        return torch.tensor([rows], dtype=torch.int64, device=device)
+    assert tokens_per_expert.dim() == 1 and tokens_per_expert.numel() >= 1, tokens_per_expert.shape
+    return tokens_per_expert.to(device=device, dtype=torch.int64)
+
+
+def segment_tiles(counts: torch.Tensor, rows: int, block: int) -> dict[str, torch.Tensor]:
+    """Tiles of ``block`` rows that restart at every segment (expert) start; no host sync.
+
+    Returns int32 tensors: per tile ``row_start``, ``row_end`` (empty tiles: equal) and ``expert``
+    (``n = ⌈rows/block⌉ + E - 1`` tiles, an upper bound); per expert ``seg_start``, ``seg_end``,
+    ``tile_start`` (index of its first tile).
+    """
+    E = counts.numel()
+    seg_end = counts.cumsum(0)
+    seg_start = seg_end - counts
+    tiles = (counts + block - 1) // block
+    tile_end = tiles.cumsum(0)
+    tile_start = tile_end - tiles
+    n = max(cdiv(rows, block) + E - 1, 0)
+    t = torch.arange(n, device=counts.device)
+    e = torch.searchsorted(tile_end, t, right=True).clamp_(max=E - 1)
+    row_start = seg_start[e] + (t - tile_start[e]) * block
+    row_end = torch.where(t < tile_end[-1], torch.minimum(row_start + block, seg_end[e]), row_start)
+    i32 = torch.int32
+    return {"row_start": row_start.to(i32), "row_end": row_end.to(i32), "expert": e.to(i32),
+            "seg_start": seg_start.to(i32), "seg_end": seg_end.to(i32), "tile_start": tile_start.to(i32)}
+
+
+def row_tiles(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row: index of its segment-aligned 128-row tile, and its position inside the tile."""
+    seg_end = counts.cumsum(0)
+    seg_start = seg_end - counts
+    tile_start = ((counts + TILE - 1) // TILE).cumsum(0) - (counts + TILE - 1) // TILE
+    r = torch.arange(rows, device=counts.device)
+    e = torch.searchsorted(seg_end, r, right=True)
+    local = r - seg_start[e]
+    return tile_start[e] + local // TILE, local % TILE
+
+
+def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """128×1 tiles (128 rows × 1 column, restarting at each expert), transposed output:
+    ``x [R,C]`` -> ``(qT [C,R] e4m3, sT [C, ⌈R/128⌉+E-1] fp32)``."""
+    assert x.dim() == 2, x.shape
+    R, C = x.shape
+    if tokens_per_expert is None or tokens_per_expert.numel() == 1:     # one segment: 1×128 tiles of xᵀ
+        return quant_act(x.t(), pow2)
+    counts = segments(tokens_per_expert, R, x.device)
+    n = max(cdiv(R, TILE) + counts.numel() - 1, 0)
+    tile, pos = row_tiles(counts, R)
+    dest = tile * TILE + pos
+    xp = x.new_zeros(n * TILE, C, dtype=torch.float32).index_copy_(0, dest, x.float()).view(n, TILE, C)
+    s = scale_from_amax(xp.abs().amax(1), pow2)                                 # [n, C]
+    q = cast_to_e4m3(xp / s[:, None, :]).view(n * TILE, C)[dest]
+    return q.t().contiguous(), s.t().contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ GEMMs
+def _b_group(b: torch.Tensor, sb: torch.Tensor) -> int:
+    """128 when ``sb`` holds 128×128 blocks of ``b``, 1 when it holds per-row 1×128 tiles."""
+    N, K = b.shape[-2:]
+    assert sb.shape[-1] == cdiv(K, TILE), (sb.shape, b.shape)
+    if sb.shape[-2] == N:
+        return 1
+    assert sb.shape[-2] == cdiv(N, TILE), (sb.shape, b.shape)
+    return TILE
+
+
+def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a [M,K] · b [N,K]ᵀ`` from FP8 operands: dequantise, matmul in FP32."""
+    assert a.dtype == b.dtype == FP8_DTYPE and a.shape[1] == b.shape[1], (a.dtype, b.dtype, a.shape, b.shape)
+    assert sa.shape == (a.shape[0], cdiv(a.shape[1], TILE)), (sa.shape, a.shape)
+    with torch.autocast(a.device.type, enabled=False):
+        return (dequant(a, sa) @ dequant(b, sb, _b_group(b, sb)).t()).to(out_dtype)
+
+
+def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                 tokens_per_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows of expert e of ``a [R,K]`` times ``b[e]ᵀ`` (``b [E,N,K]``, 128×128 block scales)."""
+    assert a.dtype == b.dtype == FP8_DTYPE and b.dim() == 3 and a.shape[1] == b.shape[2]
+    assert b.shape[0] == tokens_per_expert.numel() and _b_group(b, sb) == TILE
+    with torch.autocast(a.device.type, enabled=False):
+        xa, wb = dequant(a, sa), dequant(b, sb, TILE)
+        outs = [xe @ wb[e].t() for e, xe in enumerate(xa.split(tokens_per_expert.tolist()))]
+        out = torch.cat(outs) if outs else xa.new_zeros(0, b.shape[1])
+    return out.to(out_dtype)
+
+
+def grouped_wgrad(aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torch.Tensor,
+                  tokens_per_expert: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``out[e] = aT[:, seg_e] · bT[:, seg_e]ᵀ`` -> ``[E,N,K]``; operands from ``quant_act_t``."""
+    assert aT.dtype == bT.dtype == FP8_DTYPE and aT.shape[1] == bT.shape[1]
+    R = aT.shape[1]
+    counts = segments(tokens_per_expert, R, aT.device)
+    tile, _ = row_tiles(counts, R)
+    with torch.autocast(aT.device.type, enabled=False):
+        xa, xb = aT.float() * sa.float()[:, tile], bT.float() * sb.float()[:, tile]
+        outs = [pa @ pb.t() for pa, pb in zip(xa.split(counts.tolist(), 1), xb.split(counts.tolist(), 1))]
+    return torch.stack(outs).to(out_dtype)

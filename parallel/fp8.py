@@ -1,0 +1,208 @@
+"""FP8 training (DeepSeek-V3 recipe): swap a built model's linears and routed experts for FP8 versions.
+
+``apply_fp8(model, backend="auto")`` replaces, by module name,
+- MLA projections ``attn.{wq, wq_a, wq_b, wkv_a, wkv_b, wo}``,
+- dense-layer MLPs ``ffn.{w1, w2, w3}`` and shared experts ``ffn.shared_experts.{w1, w2, w3}``
+  with ``FP8Linear``, and the routed experts ``ffn.experts`` with ``FP8GroupedExperts``. The new modules
+  hold the *same* Parameter objects, so optimizer state, state-dict keys and checkpoints are unchanged.
+Left alone (BF16/FP32): embedding, output head, MoE gate, norms, the attention core, MTP's ``eh_proj``.
+
+Every converted GEMM runs in FP8 (E4M3) with FP32 accumulation promoted every 128 of K:
+- Fprop  ``y  = x·Wᵀ``   x 1×128 tiles, W 128×128 blocks;
+- Dgrad  ``dx = dy·W``   dy 1×128 tiles, W 128×128 blocks (the same quantised W, read transposed);
+- Wgrad  ``dW = dyᵀ·x``  dy and x in 128×1 tiles (along tokens).
+The forward caches its input only in FP8 (the 128×1, transposed copy Wgrad needs) plus the FP8 weight;
+master weights and gradients stay FP32. Outputs follow autocast (BF16 under ``torch.autocast``) or the
+input dtype; ``dx`` has the input's dtype, ``dW`` the weight's.
+
+Backends (``kernels.get_ops``): ``triton`` (GPU, or CPU under the interpreter — tests only), ``emulation``
+(plain torch, bit-identical quantisation, FP32 matmul of the dequantised values — CPU training), ``auto``
+(triton on CUDA tensors, emulation otherwise; resolved per call from the input's device).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from models.moe import GroupedExperts
+
+LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn\.(w1|w2|w3)|shared_experts\.(w1|w2|w3))$")
+EXPERT_NAMES = re.compile(r"(^|\.)ffn\.experts$")
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
+def _quant_weight(ops, w: torch.Tensor, pow2: bool, transpose: bool):
+    """``(q, s, q_t or None)``; the K-major transposed copy is made only when Dgrad will need it."""
+    return ops.quant_weight(w, pow2, transpose=True) if transpose else (*ops.quant_weight(w, pow2), None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """``y = x·Wᵀ`` with Fprop, Dgrad and Wgrad in FP8; caches x only as FP8 (128×1, transposed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ops, pow2, out_dtype, grad_on):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = _rows(x)
+            xq, xs = ops.quant_act(x2, pow2)
+            wq, ws, wq_t = _quant_weight(ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
+            y = ops.gemm(xq, xs, wq, ws, _gemm_dtype(out_dtype)).to(out_dtype)
+            xt = ops.quant_act_t(x2, None, pow2) if grad_on and ctx.needs_input_grad[1] else (None, None)
+        ctx.save_for_backward(*xt, wq_t, ws)
+        ctx.ops, ctx.pow2, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = ops, pow2, x.shape, x.dtype, weight.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xt_q, xt_s, wq_t, ws = ctx.saved_tensors
+        ops, pow2 = ctx.ops, ctx.pow2
+        dx = dw = None
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = _rows(dy)
+            if ctx.needs_input_grad[0]:
+                dyq, dys = ops.quant_act(dy2, pow2)
+                dx = ops.gemm(dyq, dys, wq_t, ws.mT, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype).view(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                dyt_q, dyt_s = ops.quant_act_t(dy2, None, pow2)
+                dw = ops.gemm(dyt_q, dyt_s, xt_q, xt_s, torch.float32).to(ctx.w_dtype)
+        return dx, dw, None, None, None, None
+
+
+class _FP8GroupedLinearFn(torch.autograd.Function):
+    """Per-expert ``y_e = x_e·W_eᵀ`` over rows sorted by expert; the three GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = _rows(x)
+            xq, xs = ops.quant_act(x2, pow2)
+            wq, ws, wq_t = _quant_weight(ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
+            y = ops.grouped_gemm(xq, xs, wq, ws, tokens_per_expert, _gemm_dtype(out_dtype)).to(out_dtype)
+            need_xt = grad_on and ctx.needs_input_grad[1]
+            xt = ops.quant_act_t(x2, tokens_per_expert, pow2) if need_xt else (None, None)
+        ctx.save_for_backward(*xt, wq_t, ws, tokens_per_expert)
+        ctx.ops, ctx.pow2, ctx.x_dtype, ctx.w_dtype = ops, pow2, x.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xt_q, xt_s, wq_t, ws, tpe = ctx.saved_tensors
+        ops, pow2 = ctx.ops, ctx.pow2
+        dx = dw = None
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = _rows(dy)
+            if ctx.needs_input_grad[0]:
+                dyq, dys = ops.quant_act(dy2, pow2)
+                dx = ops.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                dyt_q, dyt_s = ops.quant_act_t(dy2, tpe, pow2)
+                dw = ops.grouped_wgrad(dyt_q, dyt_s, xt_q, xt_s, tpe, torch.float32).to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow2_scales: bool = False):
+    """``x [..., K] · weight [N, K]ᵀ`` in FP8 (differentiable in both)."""
+    ops = kernels.get_ops(backend, x.device)
+    return _FP8LinearFn.apply(x, weight, ops, pow2_scales, _out_dtype(x), torch.is_grad_enabled())
+
+
+def fp8_grouped_linear(x_RK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert: torch.Tensor,
+                       backend: str = "auto", pow2_scales: bool = False) -> torch.Tensor:
+    """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8."""
+    ops = kernels.get_ops(backend, x_RK.device)
+    return _FP8GroupedLinearFn.apply(x_RK, w_ENK, tokens_per_expert, ops, pow2_scales, _out_dtype(x_RK),
+                                     torch.is_grad_enabled())
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` (no bias) whose Fprop, Dgrad and Wgrad run in FP8; same parameter, same keys."""
+
+    def __init__(self, in_features: int, out_features: int, backend: str = "auto", pow2_scales: bool = False,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        kernels.resolve_backend(backend, "cpu")
+        self.backend, self.pow2_scales = backend, pow2_scales
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, backend: str = "auto", pow2_scales: bool = False) -> "FP8Linear":
+        assert linear.bias is None, "FP8Linear: bias is not supported (the model's linears have none)"
+        new = cls(linear.in_features, linear.out_features, backend, pow2_scales, device="meta")
+        new.weight = linear.weight
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.backend, self.pow2_scales)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 backend={self.backend}, pow2_scales={self.pow2_scales}"
+
+
+class FP8GroupedExperts(GroupedExperts):
+    """Routed SwiGLU experts with all GEMMs in FP8; holds the original stacked parameters."""
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, backend: str = "auto", pow2_scales: bool = False):
+        kernels.resolve_backend(backend, "cpu")
+        E, F_, D = experts.w1.shape
+        with torch.device("meta"):
+            new = cls(E, D, F_)
+        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
+        for key, value in vars(experts).items():          # plain attributes set by other layouts,
+            if not key.startswith("_") and key != "training":   # e.g. apply_ep's expert_offset
+                setattr(new, key, value)
+        new.backend, new.pow2_scales = backend, pow2_scales
+        new.train(experts.training)
+        return new
+
+    def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        args = (tokens_per_expert, self.backend, self.pow2_scales)
+        h_RF = F.silu(fp8_grouped_linear(x_RD, self.w1, *args)) * fp8_grouped_linear(x_RD, self.w3, *args)
+        return fp8_grouped_linear(h_RF, self.w2, *args)
+
+    def extra_repr(self) -> str:
+        return f"fp8 backend={self.backend}, pow2_scales={self.pow2_scales}"
+
+
+def apply_fp8(model: nn.Module, backend: str = "auto", pow2_scales: bool = False) -> list[str]:
+    """Swap the FP8-eligible modules of ``model`` in place (see the module docstring); returns their names.
+
+    Call after the model is built and on its device, before the optimizer is created or after (the
+    parameters are the same objects). Idempotent: already converted modules are updated, not re-wrapped.
+    """
+    kernels.resolve_backend(backend, "cpu")
+    if backend == "triton":
+        kernels.get_ops("triton")            # fail now, not mid-step, when triton is missing
+    converted = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (FP8Linear, FP8GroupedExperts)):
+            module.backend, module.pow2_scales = backend, pow2_scales
+            converted.append(name)
+            continue
+        if LINEAR_NAMES.search(name) and isinstance(module, nn.Linear):
+            new = FP8Linear.from_linear(module, backend, pow2_scales)
+        elif EXPERT_NAMES.search(name) and isinstance(module, GroupedExperts):
+            new = FP8GroupedExperts.from_experts(module, backend, pow2_scales)
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        converted.append(name)
+    return converted
