@@ -33,6 +33,7 @@ class ParallelConfig:
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
     overlap: bool = False       # DualPipe F&B: run the backward half in a second thread, concurrently (see docs/pipeline.md)
     ep_latency_ms: float = 0.0  # injected latency per expert all-to-all (for overlap measurements)
+    fp8_dispatch: bool = False  # MoE dispatch sends tokens as FP8 (E4M3, pow2 1x128 scales); combine stays BF16
 
 
 @dataclass

@@ -62,16 +62,20 @@ class Trainer:
         self.dims = dims or ParallelDims(world_size=1)
         t = cfg.train
         self.device = device or pick_device(t.device)
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision in ("bf16", "fp8"))
         self.corpus = self._load_corpus()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
         self.model = apply_ep(models.build(cfg.model, device=self.device, seed=t.seed), self.dims,
-                              dispatcher=cfg.parallel.ep_dispatcher)
+                              dispatcher=cfg.parallel.ep_dispatcher, latency_s=cfg.parallel.ep_latency_ms / 1e3,
+                              fp8_dispatch=cfg.parallel.fp8_dispatch)
+        if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
+            from parallel.fp8 import apply_fp8
+            apply_fp8(self.model)
         self.pipe = None
         if self.dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
             n_micro = t.global_batch_size // (t.micro_batch_size * self.dims.dp)
             self.pipe = PipelineRunner(self.model, self.dims, cfg.parallel.schedule, n_micro,
-                                       cfg.parallel.pp_layout, self.device)
+                                       cfg.parallel.pp_layout, self.device, cfg.parallel.overlap)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, t.max_steps))
@@ -225,7 +229,15 @@ class Trainer:
         return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                 "grad_norm": float(grad_norm), "tokens": self.tokens, "step_time_s": dt,
                 "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                "max_expert_load_over_mean": imbalance, **self._ep_metrics(), **rank_memory(self.device, self.dims)}
+                "max_expert_load_over_mean": imbalance, **self._ep_metrics(), **self._pipeline_metrics(),
+                **rank_memory(self.device, self.dims)}
+
+    def _pipeline_metrics(self) -> dict:
+        """This rank's (rank 0's, in the log) measured bubble share and the simulator's prediction."""
+        if self.pipe is None:
+            return {}
+        measured, simulated = self.pipe.bubble()
+        return {"pipeline_bubble_measured": measured, "pipeline_bubble_simulated": simulated}
 
     def _ep_metrics(self) -> dict:
         """Dispatcher counters of this step over all MoE layers (summed/maxed over ranks), then reset."""

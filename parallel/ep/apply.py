@@ -2,6 +2,10 @@
 
 Shared experts, attention, dense layers, router and balancing bias stay replicated. The model code is
 unchanged: only ``moe.experts`` (now ``E / ep`` local experts) and ``moe.dispatcher`` are replaced.
+
+``fp8_dispatch=True``: the dispatch all-to-alls carry the token rows as FP8 (E4M3 + power-of-2 scales
+per 1x128 tile; straight-through backward; see ``dispatch.py``). Needs ``model.dim % 128 == 0``, checked
+here even when ``ep == 1`` (no dispatch then), so a config fails on one device as it would at scale.
 """
 from __future__ import annotations
 
@@ -11,10 +15,18 @@ from torch import nn
 from models.moe import GroupedExperts, MoE
 
 from ..dims import ParallelDims
+from .comm import TILE
 from .dispatch import AllToAllDispatcher, HierarchicalDispatcher
 
 
-def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical", latency_s: float = 0.0) -> nn.Module:
+def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical", latency_s: float = 0.0,
+             fp8_dispatch: bool = False) -> nn.Module:
+    if fp8_dispatch:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            dim = moe.gate.weight.shape[1]
+            if dim % TILE:
+                raise ValueError(f"parallel.fp8_dispatch needs model.dim to be a multiple of {TILE} "
+                                 f"(1x{TILE} FP8 scaling tiles), got model.dim={dim}")
     if dims.ep == 1:
         return model
     for name, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
@@ -29,10 +41,10 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
         if dispatcher == "hierarchical" and dims.ep_nodes > 1:
             moe.dispatcher = HierarchicalDispatcher(moe.n_experts, dims.group("ep"), dims.group("ep_inter"),
                                                     dims.group("ep_intra"), latency_s,
-                                                    (dims.group("ep_inter_b"), dims.group("ep_intra_b")))
+                                                    (dims.group("ep_inter_b"), dims.group("ep_intra_b")), fp8_dispatch)
         elif dispatcher in ("hierarchical", "alltoall"):
             moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node, latency_s,
-                                                dims.group("ep_b"))
+                                                dims.group("ep_b"), fp8_dispatch)
         else:
             raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
         moe.dispatcher.name = name   # e.g. "layers.3.ffn", used in error messages

@@ -14,6 +14,13 @@ a pipeline schedule can compute while the tokens travel.
   node; on the way back that rank sums its node's weighted expert outputs, so the return trip is also
   one row per (token, node). With node-limited routing (M nodes) a token crosses at most M-1... M links.
 
+``fp8=True`` (DeepSeek-V3's FP8 dispatch): the dispatched token rows travel as E4M3 bytes (sent as
+``uint8``) plus one power-of-2 FP32 scale per 1x128 tile (``comm.fp8_route``), and are dequantised to the
+input dtype where the experts run. The hierarchical dispatcher quantises once, before the inter-node hop,
+and the forwarding rank passes the bytes and scales on unchanged. Combine stays in the activation dtype
+(BF16 under autocast). Backward is straight-through: the dispatch gradient goes back unquantised. Needs
+D % 128 == 0. Gate weights, expert ids and counts are sent as before.
+
 Shape legend: T tokens, K experts per token, D hidden, E experts (global), R received copies, N nodes.
 """
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm import Pending, all_to_all, exchange_counts, named_errors
+from .comm import Hop, Pending, all_to_all, all_to_all_fp8, exchange_counts, fp8_route, named_errors
 
 
 @dataclass
@@ -35,11 +42,20 @@ class DispatchStats:
     max_nodes_per_token: int = 0
     dispatch_s: float = 0.0
     combine_s: float = 0.0
+    dispatch_bytes: int = 0        # bytes of token rows (+ FP8 scales) this rank handed to the dispatch all-to-alls
+    combine_bytes: int = 0         # the same for the combine all-to-alls (rows kept on this rank included)
     extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.calls = self.cross_node_copies = self.max_nodes_per_token = 0
         self.dispatch_s = self.combine_s = 0.0
+        self.dispatch_bytes = self.combine_bytes = 0
+
+    def count_dispatch(self, t: torch.Tensor) -> None:
+        self.dispatch_bytes += t.numel() * t.element_size()
+
+    def count_combine(self, t: torch.Tensor) -> None:
+        self.combine_bytes += t.numel() * t.element_size()
 
 
 class _Handle:
@@ -83,8 +99,9 @@ def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor) -> torch.Te
 
 
 class AllToAllDispatcher(_DispatcherBase):
-    def __init__(self, n_experts: int, group, ranks_per_node: int = 1, latency_s: float = 0.0, bwd_group=None):
-        self.group, self.bwd_group = group, bwd_group
+    def __init__(self, n_experts: int, group, ranks_per_node: int = 1, latency_s: float = 0.0, bwd_group=None,
+                 fp8: bool = False):
+        self.group, self.bwd_group, self.fp8 = group, bwd_group, fp8
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         self.n_experts, self.n_local = n_experts, n_experts // self.ep
@@ -102,8 +119,14 @@ class AllToAllDispatcher(_DispatcherBase):
         in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         self._count_crossings(topk_idx_TK, in_splits)
         pending = Pending()
-        x_recv = all_to_all(x_TD[order // K], out_splits, in_splits, self.group, self.latency_s, pending, self.name,
-                            self.bwd_group)
+        if self.fp8:   # quantise the T source rows once, then send their K copies as bytes + scales
+            x_recv = all_to_all_fp8(x_TD, out_splits, in_splits, self.group, self.latency_s, pending, self.name,
+                                    self.bwd_group, rows=order // K, on_send=self.stats.count_dispatch)
+        else:
+            x_send = x_TD[order // K]
+            self.stats.count_dispatch(x_send)
+            x_recv = all_to_all(x_send, out_splits, in_splits, self.group, self.latency_s, pending, self.name,
+                                self.bwd_group)
 
         def finish():
             perm = _sort_source_major_to_expert_major(recv_counts)
@@ -116,8 +139,10 @@ class AllToAllDispatcher(_DispatcherBase):
         t0 = time.perf_counter()
         order, w_TK, in_splits, out_splits, perm = handle
         pending = Pending()
-        y_sorted = all_to_all(y_RD[torch.argsort(perm)], in_splits, out_splits, self.group, self.latency_s, pending,
-                              self.name, self.bwd_group)
+        y_send = y_RD[torch.argsort(perm)]
+        self.stats.count_combine(y_send)
+        y_sorted = all_to_all(y_send, in_splits, out_splits, self.group, self.latency_s, pending, self.name,
+                              self.bwd_group)
 
         def finish():
             T, K = w_TK.shape
@@ -141,7 +166,8 @@ class HierarchicalDispatcher(_DispatcherBase):
     """Node-limited two-stage dispatch: inter-node (same local index) then intra-node."""
 
     def __init__(self, n_experts: int, ep_group, inter_group, intra_group, latency_s: float = 0.0,
-                 bwd_groups: tuple | None = None):
+                 bwd_groups: tuple | None = None, fp8: bool = False):
+        self.fp8 = fp8
         self.ep = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
         self.inter, self.intra = inter_group, intra_group
@@ -173,7 +199,10 @@ class HierarchicalDispatcher(_DispatcherBase):
         self.stats.cross_node_copies += sum(n for i, n in enumerate(in1) if i != self.node)
         if T:
             self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(goes_NT.sum(0).max()))
-        x1 = all_to_all(x_TD[pair_tok], out1, in1, self.inter, self.latency_s, None, self.name, self.inter_b)
+        if not self.fp8:
+            x_send = x_TD[pair_tok]
+            self.stats.count_dispatch(x_send)
+            x1 = all_to_all(x_send, out1, in1, self.inter, self.latency_s, None, self.name, self.inter_b)
         w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name, self.inter_b)
         ids1 = exchange_rows(ids_PK, out1, in1, self.inter)
         # Stage 2: the forwarding rank sends one copy per chosen expert to the rank of its node that hosts it.
@@ -184,7 +213,14 @@ class HierarchicalDispatcher(_DispatcherBase):
         recv2 = exchange_counts(send2, self.intra)
         in2, out2 = send2.sum(1).tolist(), recv2.sum(1).tolist()
         pending = Pending()
-        x2 = all_to_all(x1[copy_row[order2]], out2, in2, self.intra, 0.0, pending, self.name, self.intra_b)
+        if self.fp8:   # both hops in one route: quantised here, bytes forwarded as they are, dequantised at the expert
+            hops = [Hop(out1, in1, self.inter, self.inter_b, self.latency_s, rows=pair_tok),
+                    Hop(out2, in2, self.intra, self.intra_b, 0.0, rows=copy_row[order2])]
+            x2 = fp8_route(x_TD, hops, pending, self.name, on_send=self.stats.count_dispatch)
+        else:
+            x_send = x1[copy_row[order2]]
+            self.stats.count_dispatch(x_send)
+            x2 = all_to_all(x_send, out2, in2, self.intra, 0.0, pending, self.name, self.intra_b)
 
         def finish():
             perm = _sort_source_major_to_expert_major(recv2)
@@ -196,12 +232,15 @@ class HierarchicalDispatcher(_DispatcherBase):
     def _combine(self, y_RD, handle) -> _Handle:
         t0 = time.perf_counter()
         T, pair_tok, pair_node, in1, out1, w1, copy_row, copy_k, order2, in2, out2, perm = handle
-        y2 = all_to_all(y_RD[torch.argsort(perm)], in2, out2, self.intra, 0.0, None, self.name, self.intra_b)
+        y_send = y_RD[torch.argsort(perm)]
+        self.stats.count_combine(y_send)
+        y2 = all_to_all(y_send, in2, out2, self.intra, 0.0, None, self.name, self.intra_b)
         # Forwarder: weight its node's expert outputs and sum them per received row (no index_add: deterministic).
         R1, K = w1.shape
         y_RKD = y2.new_zeros(R1 * K, y2.shape[-1]).index_put((copy_row[order2] * K + copy_k[order2],), y2)
         partial = (y_RKD.view(R1, K, y2.shape[-1]) * w1.unsqueeze(-1).to(y2.dtype)).sum(1)
         pending = Pending()
+        self.stats.count_combine(partial)
         y1 = all_to_all(partial, in1, out1, self.inter, self.latency_s, pending, self.name, self.inter_b)
 
         def finish():
