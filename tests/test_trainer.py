@@ -165,3 +165,21 @@ def test_fp8_training_runs(tmp_path, cache):
     assert not isinstance(trainer.model.head, FP8Linear)
     summary = trainer.train()
     assert abs(summary["last"]["loss"] - 6.93) < 0.3
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["parallel.ep=4"], "model.n_expert_groups"),                          # 4 EP nodes, tiny has 2 groups
+    (["parallel.ep=4", "parallel.ranks_per_node=2", "model.n_limited_groups=3", "model.n_activated_experts=3"],
+     "model.n_limited_groups"),                                             # M > groups (= nodes)
+    (["parallel.ep=3"], "parallel.ep"),                                    # ep does not divide dp
+    (["parallel.ep=4", "parallel.ranks_per_node=2", "model.n_routed_experts=6", "model.n_activated_experts=2"],
+     "model.n_routed_experts"),                                             # experts not divisible by ep
+])
+def test_invalid_layout_fails_before_any_collective(tmp_path, overrides, key):
+    """As torchrun would start it (WORLD_SIZE=4), but one process: a collective would hang, an early
+    one-line error does not."""
+    proc = run_cli("+exp=tiny", *overrides, f"hydra.run.dir={tmp_path}/run", timeout=120,
+                   env={"WORLD_SIZE": "4", "RANK": "0"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and key in err[0], proc.stderr
