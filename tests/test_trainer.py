@@ -113,7 +113,7 @@ def test_wandb_offline_run_dir_via_cli(tmp_path, cache):
 @pytest.mark.parametrize("overrides,key", [
     (["model.n_limited_groups=5"], "model.n_limited_groups"),
     (["model.n_limited_groups=2", "model.n_activated_experts=3"], "model.n_activated_experts"),  # K % M != 0
-    (["train.global_batch_size=10"], "train.global_batch_size"),
+    (["train.global_batch_size=15"], "train.global_batch_size"),
     (["data.seq_len=4096"], "data.seq_len"),
     (["train.precision=fp16"], "train.precision"),
     (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume"),

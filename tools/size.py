@@ -1,29 +1,371 @@
-"""Model sizes for a config: ``python -m tools.size +exp=v3_small`` (or ``model=v3_671b``).
+"""Model size, FLOPs per token and per-rank memory of a parallel layout, without running it.
 
-Builds the model on the meta device (no memory) and prints total / activated / MTP parameter counts.
-Counting rule: see ``models/params.py``.
+    python -m tools.size +exp=v3_small
+    python -m tools.size model=v3_671b parallel.pp=16 parallel.schedule=dualpipe parallel.ep=64 \\
+        parallel.ranks_per_node=8 parallel.zero=1 data.seq_len=4096 train.micro_batch_size=1 \\
+        train.global_batch_size=15360 --world-size 2048 --gpu-mem-gb 80
+
+Arguments are Hydra overrides, as for the trainer, plus these options (anywhere on the line):
+  --world-size N      ranks (default pp x ep, the smallest world for the layout)
+  --gpu-mem-gb G      memory per GPU for the verdict (default 80)
+  --headroom F        fraction of it kept free for the CUDA context, NCCL buffers and fragmentation (0.1)
+  --recipe v3|trainer precision of the model state (default v3, see below)
+  --recompute none|full  activation recomputation (default none)
+
+The config is composed like the trainer's, but only the model and the layout are validated
+(``ParallelDims`` + ``check_model``, the schedule, ``parallel.zero`` in 0/1/2), not whether the
+trainer implements the layout yet, so planned layouts can be sized.
+
+Memory per rank (bytes); P_d = dense parameters of the stages on the rank (replicated over dp),
+P_e = their routed-expert parameters / ep (each expert-parallel rank holds E/ep experts per layer):
+  recipe v3 (DeepSeek-V3): BF16 compute weights 2 (P_d + P_e); FP32 gradients 4 (P_d + P_e);
+      optimizer: FP32 master weights + BF16 AdamW moments = 4 + 2 + 2 = 8 (P_d + P_e)
+  recipe trainer (this trainer today, fp32 or bf16 autocast): FP32 weights 4, FP32 gradients 4,
+      FP32 AdamW moments 8 (the weights are the master copy)
+  ZeRO-1 divides the optimizer state: P_d's by dp, P_e's by edp = dp/ep (the replicas of an expert
+  shard); ZeRO-2 divides the gradients the same way.
+Pipeline stages: layers split by ``parallel.pipeline.stages.layer_split`` (``parallel.pp_layout`` or
+even, extra layers to the middle stages); stage 0 holds the embedding, the last stage the final norm,
+the head and the MTP modules (plus a tied copy of the embedding for MTP when stage 0 lives on another
+rank: 1F1B, ZB1P). 1F1B/ZB1P: rank r holds stage r. DualPipe: stages r and pp-1-r (every stage twice,
+so 2x parameters; rank 0 holds both ends). DualPipeV: 2*pp stages, r and 2*pp-1-r.
+Activations (saved for backward, per token; a = 2 bytes for bf16 activations, 4 for fp32; f = 4):
+  norm(n)   = n*f + 2*n*a            fp32 copy for the variance, normalised, scaled (the next matmul's input)
+  attention = norm(D) + norm(q_lora) + norm(kv_lora) + R*a + (2*H*d_qk + H*(d_nope + d_v) + 2*H*d_v)*a + H*f
+              (q and k for SDPA, the kv up-projection output that holds v, the output and its reshaped copy,
+              the log-sum-exp of a flash kernel)
+  dense FFN = norm(D) + 4*I*a        (gate, SiLU, up, product)
+  MoE       = norm(D) + E*f + 2*K*f + 16*K + 2*K*D*a + 4*K*F*a + 4*F_s*a
+              (router scores, gate weights, int64 indices, dispatched and returned token copies, SwiGLU of
+              K experts and of the shared experts)
+  head use  = norm(D) + V*f          (fp32 log-softmax of the logits)
+  MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
+A stage's activations per micro-batch are micro_batch_size x seq_len tokens times the sum over its
+layers (+ the head and MTP on the last stage). The peak per rank walks the schedule's action list
+through ``parallel.pipeline.simulator`` (an activation lives from its F to the end of its backward),
+weighting each live activation by its stage's size; without a pipeline one micro-batch is live.
+``--recompute full`` keeps only each layer's input (D*a per token) per micro-batch in flight, plus once
+the largest piece recomputed at a time (one layer, or the head and MTP on the last stage).
+Not modelled: temporary buffers (all-to-all, logits before the loss), FP8 caches, fragmentation; the
+headroom stands for them.
 """
 from __future__ import annotations
 
+import argparse
 import sys
+from dataclasses import dataclass, field
 
 from hydra import compose, initialize_config_module
 
 import models
-from configs.schema import register, to_object
-from models.config import ConfigError
+from configs.schema import Config, register, to_object
+from models.config import ConfigError, ModelConfig
+from models.moe import GroupedExperts
 from models.params import count_params
+
+GB = 1e9
+RECIPES = {  # bytes per parameter: (weights, gradients, optimizer state)
+    "v3": (2, 4, 8),
+    "trainer": (4, 4, 8),
+}
+SCHEDULES = ("none", "1f1b", "zb1p", "dualpipe", "dualpipev")
+
+
+# ---- activations -----------------------------------------------------------------------------------
+def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False) -> dict:
+    """Saved-for-backward bytes per token: ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one
+    depth, its head use included). ``math_attention`` adds the attention probabilities (H*T*f) that the
+    non-flash SDPA path keeps (PyTorch on CPU); the formula is in the module doc."""
+    f = 4
+    D, H, R = m.dim, m.n_heads, m.qk_rope_head_dim
+
+    def norm(n: int) -> int:
+        return n * f + 2 * n * a
+
+    attn = (norm(D) + (norm(m.q_lora_rank) if m.q_lora_rank else 0) + norm(m.kv_lora_rank) + R * a
+            + (2 * H * m.qk_head_dim + H * (m.qk_nope_head_dim + m.v_head_dim) + 2 * H * m.v_head_dim) * a + H * f)
+    if math_attention:
+        attn += H * seq_len * f
+    K, F, E = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts
+    moe = (norm(D) + E * f + 2 * K * f + 16 * K + 2 * K * D * a + 4 * K * F * a
+           + 4 * F * m.n_shared_experts * a)
+    dense = norm(D) + 4 * m.inter_dim * a
+    head = norm(D) + m.vocab_size * f
+    mtp = 2 * norm(D) + 2 * D * a + attn + moe + head
+    return {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head, "mtp": mtp}
+
+
+# ---- parameters per stage ------------------------------------------------------------------------
+@dataclass
+class Parts:
+    """Parameter counts of the model's pieces, from a meta-device build."""
+    layer_dense: list[int]    # per layer: everything but the routed experts
+    layer_expert: list[int]   # per layer: routed experts (all E)
+    embed: int
+    head: int                 # output head + final norm
+    mtp_dense: int
+    mtp_expert: int
+
+
+def model_parts(model) -> Parts:
+    def split(module) -> tuple[int, int]:
+        expert = sum(p.numel() for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+        return sum(p.numel() for p in module.parameters()) - expert, expert
+
+    layers = [split(layer) for layer in model.layers]
+    mtp = split(model.mtp)
+    return Parts([d for d, _ in layers], [e for _, e in layers], model.embed.weight.numel(),
+                 model.head.weight.numel() + model.norm.weight.numel(), *mtp)
+
+
+def stages_of_rank(schedule: str, pp: int, pp_rank: int) -> list[int]:
+    if pp == 1:
+        return [0]
+    from parallel.pipeline.stages import stage_ids
+    return sorted(set(stage_ids(schedule, pp, pp_rank).values()))
+
+
+def n_stages(schedule: str, pp: int) -> int:
+    if pp == 1:
+        return 1
+    from parallel.pipeline.stages import n_stages_of
+    return n_stages_of(schedule, pp)
+
+
+def split_layers(n_layers: int, stages: int, layout: list[int] | None) -> list[range]:
+    if stages == 1:
+        return [range(n_layers)]
+    from parallel.pipeline.stages import layer_split
+    return layer_split(n_layers, stages, layout)
+
+
+# ---- the plan --------------------------------------------------------------------------------------
+@dataclass
+class RankMemory:
+    pp_rank: int
+    stages: list[int]
+    layers: list[int]
+    params_dense: int          # replicated over dp
+    params_expert: int         # this rank's routed experts (already / ep)
+    weights: float             # bytes
+    grads: float
+    optim: float
+    act_microbatch: float      # the largest held stage, one micro-batch
+    act_peak: float            # in flight at the schedule's peak
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> int:
+        return self.params_dense + self.params_expert
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optim + self.act_peak
+
+
+@dataclass
+class Plan:
+    world_size: int
+    pp: int
+    dp: int
+    ep: int
+    edp: int
+    schedule: str
+    zero: int
+    recipe: str
+    recompute: str
+    act_bytes: int
+    tokens_per_microbatch: int
+    n_microbatches: int
+    ranks: list[RankMemory]
+    notes: list[str] = field(default_factory=list)
+    bubble_fraction: float | None = None
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+def check_layout(cfg: Config, world_size: int):
+    """Validate the model and the layout only (not whether the trainer implements it yet)."""
+    from parallel.dims import ParallelDims
+
+    cfg.model.validate("model")
+    p = cfg.parallel
+    if p.zero not in (0, 1, 2):
+        raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {p.zero}")
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule: {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if (p.pp > 1) != (p.schedule != "none"):
+        raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
+                          f"(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")
+    dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
+    dims.check_model(cfg.model)
+    return dims
+
+
+def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", recompute: str = "none",
+                model=None) -> Plan:
+    """Per-pipeline-rank memory of ``cfg``'s layout on ``world_size`` ranks (default pp x ep)."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    world_size = world_size or p.pp * p.ep
+    dims = check_layout(cfg, world_size)
+    if recipe not in RECIPES:
+        raise ConfigError(f"--recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+    model = model if model is not None else models.build(m, "meta")
+    parts = model_parts(model)
+    w_b, g_b, o_b = RECIPES[recipe]
+    a = 2 if recipe == "v3" or t.precision != "fp32" else 4
+    n_st = n_stages(p.schedule, p.pp)
+    split = split_layers(m.n_layers, n_st, getattr(p, "pp_layout", None))
+    per_tok = activation_bytes_per_token(m, a)
+    tokens = t.micro_batch_size * cfg.data.seq_len
+    notes = []
+
+    def stage_act(s: int) -> tuple[float, float]:
+        """(saved per micro-batch, working set recomputed at once) of stage s, in bytes."""
+        layer_bytes = [per_tok["moe_layer" if m.is_moe_layer(i) else "dense_layer"] for i in split[s]]
+        ends = per_tok["head"] + m.mtp_depth * per_tok["mtp"] if s == n_st - 1 else 0
+        if recompute == "full":   # keep each layer's input; recompute one layer (or the head + MTP) at a time
+            return len(layer_bytes) * m.dim * a * tokens, max(layer_bytes + [ends]) * tokens
+        return (sum(layer_bytes) + ends) * tokens, 0.0
+
+    # Micro-batches per step and the schedule's activations in flight.
+    n_micro = max(1, t.global_batch_size // (t.micro_batch_size * dims.dp))
+    sim = None
+    if p.pp > 1:
+        from parallel.pipeline.schedules import get_schedule
+        from parallel.pipeline.simulator import Costs, simulate
+        try:
+            schedule = get_schedule(p.schedule, p.pp, n_micro)
+        except ValueError as e:
+            want = 2 * p.pp if p.schedule in ("dualpipe", "dualpipev") else p.pp
+            notes.append(f"{e}; sized with {want} micro-batches (set train.global_batch_size for the real count)")
+            n_micro = want
+            schedule = get_schedule(p.schedule, p.pp, n_micro)
+        sim = simulate(schedule, Costs(f=1.0, b=1.0, w=1.0))
+
+    ranks = []
+    for r in range(p.pp):
+        held = stages_of_rank(p.schedule, p.pp, r)
+        layers = [i for s in held for i in split[s]]
+        dense = sum(parts.layer_dense[i] for i in layers)
+        expert = sum(parts.layer_expert[i] for i in layers)
+        rnotes = []
+        if 0 in held:
+            dense += parts.embed
+        if n_st - 1 in held:
+            dense += parts.head + parts.mtp_dense
+            expert += parts.mtp_expert
+            if m.mtp_depth and 0 not in held:
+                dense += parts.embed
+                rnotes.append("tied embedding copy for MTP")
+        expert //= p.ep
+        opt_div_d, opt_div_e = (dims.dp, dims.edp) if p.zero >= 1 else (1, 1)
+        grad_div_d, grad_div_e = (dims.dp, dims.edp) if p.zero >= 2 else (1, 1)
+        acts = {s: stage_act(s)[0] for s in held}
+        working = max(stage_act(s)[1] for s in held)
+        if sim is None:
+            peak = acts[0]
+        else:
+            live = top = 0.0
+            for span in sim.spans[r]:
+                if not span.action.is_compute:
+                    continue
+                for part in span.action.parts():
+                    if part.kind.name == "F":
+                        live += acts[part.stage]
+                top = max(top, live)
+                for part in span.action.parts():
+                    if part.kind.name in ("B", "BW"):
+                        live -= acts[part.stage]
+            peak = top
+        peak += working
+        ranks.append(RankMemory(
+            pp_rank=r, stages=held, layers=layers, params_dense=dense, params_expert=expert,
+            weights=w_b * (dense + expert), grads=g_b * (dense / grad_div_d + expert / grad_div_e),
+            optim=o_b * (dense / opt_div_d + expert / opt_div_e), act_microbatch=max(acts.values()) + working,
+            act_peak=peak, notes=rnotes))
+    return Plan(world_size, p.pp, dims.dp, p.ep, dims.edp, p.schedule, p.zero, recipe, recompute, a, tokens,
+                n_micro, ranks, notes, sim.max_bubble / sim.makespan if sim else None)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out) or "-"
+
+
+def report(cfg: Config, plan: Plan, flops, gpu_mem_gb: float, headroom: float) -> list[str]:
+    m = cfg.model
+    w_b, g_b, o_b = RECIPES[plan.recipe]
+    per_stage = "2 stages/rank" if plan.schedule in ("dualpipe", "dualpipev") else "1 stage/rank"
+    zero = {0: "no ZeRO", 1: "ZeRO-1 (optimizer / dp, experts' / edp)", 2: "ZeRO-2 (optimizer and grads / dp, "
+            "experts' / edp)"}[plan.zero]
+    lines = [
+        f"FLOPs per token (train, fwd+bwd, seq {cfg.data.seq_len}): 6 x {flops.matmul_params / 1e9:.3f} B matmul params"
+        f" + attention {flops.attention / 1e9:.2f} G = {flops.per_token / 1e9:.2f} GFLOP"
+        f"   [6*N + 3*(L+D)*H*(d_qk+d_v)*T, N without embedding, MTP included]",
+        f"layout: world {plan.world_size} = pp {plan.pp} x dp {plan.dp} (ep {plan.ep} x edp {plan.edp}), "
+        f"{cfg.parallel.ranks_per_node} ranks/node; schedule {plan.schedule}"
+        + (f" ({per_stage})" if plan.pp > 1 else "") + f"; {zero}",
+        f"recipe {plan.recipe}: weights {w_b} B, grads {g_b} B, optimizer {o_b} B per parameter; activations "
+        f"{'bf16' if plan.act_bytes == 2 else 'fp32'}, recompute {plan.recompute}; micro-batch "
+        f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} = {plan.tokens_per_microbatch} tokens, "
+        f"{plan.n_microbatches} micro-batches per step",
+    ]
+    if plan.bubble_fraction is not None:
+        lines.append(f"simulated bubble ({plan.schedule}, unit costs): {100 * plan.bubble_fraction:.1f}% of the step")
+    lines += [f"note: {n}" for n in plan.notes]
+    lines.append(f"{'pp rank':>7}  {'stages':<8} {'layers':<12} {'params':>9}   "
+                 f"{'weights':>8} {'grads':>8} {'optim':>8} {'act/mb':>8} {'act peak':>8} {'total':>8}  (GB)")
+    for r in plan.ranks:
+        lines.append(f"{r.pp_rank:>7}  {_ranges(r.stages):<8} {_ranges(r.layers):<12} {r.params / 1e9:>8.3f}B   "
+                     f"{r.weights / GB:>8.2f} {r.grads / GB:>8.2f} {r.optim / GB:>8.2f} {r.act_microbatch / GB:>8.2f} "
+                     f"{r.act_peak / GB:>8.2f} {r.total / GB:>8.2f}" + "".join(f"  ({n})" for n in r.notes))
+    worst = plan.worst
+    usable = gpu_mem_gb * (1 - headroom)
+    verdict = "fits" if worst.total / GB <= usable else "does NOT fit"
+    lines.append(f"worst rank: pp rank {worst.pp_rank} needs {worst.total / GB:.2f} GB of {gpu_mem_gb:g} GB "
+                 f"({usable:.1f} GB usable with {100 * headroom:.0f}% headroom): {verdict}")
+    return lines
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(prog="python -m tools.size", description="Model size, FLOPs per token and "
+                                 "per-rank memory of a layout. Other arguments are Hydra overrides.")
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (default: pp x ep)")
+    ap.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the verdict (default 80)")
+    ap.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (default 0.1)")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="v3", help="model-state precision (default v3)")
+    ap.add_argument("--recompute", choices=("none", "full"), default="none", help="activation recomputation")
+    return ap.parse_known_args(argv)
 
 
 def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    unknown = [o for o in overrides if o.startswith("--")]
+    if unknown:
+        print(f"error: unknown option {unknown[0]} (options: --world-size, --gpu-mem-gb, --headroom, --recipe, "
+              f"--recompute; everything else is a Hydra override)", file=sys.stderr)
+        return 2
     register()
     with initialize_config_module("configs", version_base=None):
-        cfg = to_object(compose("config", overrides=argv))
+        cfg = to_object(compose("config", overrides=overrides))
     try:
+        check_layout(cfg, args.world_size or cfg.parallel.pp * cfg.parallel.ep)   # fail fast, before the build
         model = models.build(cfg.model, "meta")
+        plan = plan_memory(cfg, args.world_size, args.recipe, args.recompute, model=model)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from trainer.metrics import flops_per_token
     c = count_params(model)
     rows = [
         ("total (no MTP)", c.total),
@@ -40,6 +382,8 @@ def main(argv: list[str]) -> int:
           f"top-{m.n_activated_experts} groups={m.n_expert_groups} M={m.n_limited_groups} mtp_depth={m.mtp_depth}")
     for name, n in rows:
         print(f"  {name:<32} {n:>16,d}  ({n / 1e9:.3f} B)")
+    for line in report(cfg, plan, flops_per_token(cfg.model, cfg.data.seq_len, model), args.gpu_mem_gb, args.headroom):
+        print(line)
     return 0
 
 

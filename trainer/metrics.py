@@ -1,55 +1,298 @@
-"""Step metrics: ``metrics.jsonl`` in the run dir, Weights & Biases (offline by default), tqdm on rank 0."""
+"""Step metrics: ``metrics.jsonl`` in the run dir, Weights & Biases (offline by default), tqdm on rank 0.
+
+W&B panels are grouped by the metric name's prefix (W&B makes one section per prefix):
+
+  train/       loss, mtp_loss, aux_loss, lr, grad_norm, tokens, bias_update_speed, mtp_loss_weight
+               (val/loss: validation)
+  throughput/  tokens_per_s (global), step_time_s, tflops_per_rank (achieved model FLOP/s per rank),
+               mfu (against the device's peak; omitted when the peak is unknown, e.g. on CPU)
+  experts/     max_over_mean (worst layer), moe<i>_max_over_mean / moe<i>_min_over_mean per MoE layer,
+               moe<i>_load (histogram: tokens per expert), load_heatmap (image: MoE layer x expert,
+               load / mean over the steps since the previous heatmap)
+  comm/        cross_node_tokens (token copies sent across a node boundary, summed over layers and
+               ranks), cross_node_per_token (that / (tokens x MoE layers)), max_nodes_per_token,
+               dispatch_s, combine_s (EP runs only)
+  pipeline/    (pp > 1) bubble_measured (rank 0's idle share of its span, from the executor),
+               bubble_simulated (the simulator on the same action lists with the step's measured costs),
+               bubble_unit_costs (the schedule alone: largest bubble / makespan with F = b = W = 1, no
+               overlap, no p2p latency; logged once, also in the summary)
+  memory/      peak_gb_max / peak_gb_min / peak_rank over ranks, rank<r>_peak_gb (worlds <= 64):
+               CUDA ``max_memory_allocated``, on CPU the process's peak RSS
+
+FLOPs per token (training, forward + backward), the basis of MFU:
+    6 * N + 3 * (L + D) * H * (d_qk + d_v) * T
+N: parameters a token's matmuls touch, without the embedding (a lookup): the activated parameters
+(``models.params``) minus the embedding, plus per MTP depth the MTP module with K of E routed experts
+and another pass through the shared output head. The second term is causal attention: QK^T and AV
+cost 2 * H * (d_qk + d_v) * c FLOPs forward for a query with c keys, c averages T/2, and backward is
+twice forward; L layers, D MTP depths, T = data.seq_len.
+MFU = tokens_per_s * FLOPs per token / (world size * peak FLOP/s per device). The peak is dense BF16
+tensor-core FLOP/s from ``PEAK_FLOPS`` by device name, or ``$DSV3_PEAK_TFLOPS`` (TFLOP/s per device;
+set it for a GPU not in the table, or to compare a CPU against a peak you choose).
+
+Offline runs can be read back without network with ``read_offline_run`` (parses the ``.wandb``
+transaction log with wandb's own protobuf records).
+"""
 from __future__ import annotations
 
 import json
 import os
+import struct
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# Dense (no sparsity) BF16 tensor-core peak per device, FLOP/s. First substring match of the CUDA
+# device name wins, so the more specific names come first.
+PEAK_FLOPS: list[tuple[str, float]] = [
+    ("GH200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("H200", 989e12),
+    ("H20", 148e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+]
+PER_RANK_LIMIT = 64   # log memory/rank<r>_peak_gb for worlds up to this size
 
+
+# ---- derived quantities --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flops:
+    matmul_params: int     # N in 6N: parameters a token's matmuls touch (no embedding; MTP included)
+    attention: float       # the attention term per token (forward + backward)
+
+    @property
+    def per_token(self) -> float:
+        return 6 * self.matmul_params + self.attention
+
+
+def flops_per_token(model_cfg, seq_len: int, model=None) -> Flops:
+    """Training FLOPs per token of ``model_cfg`` (a ``ModelConfig``) at ``seq_len``; formula in the module doc.
+    ``model``: the single-device model of that config if already built (any device, meta is enough)."""
+    import models
+    from models.moe import GroupedExperts
+    from models.params import count_params
+
+    model = model if model is not None else models.build(model_cfg, "meta")
+    c = count_params(model)
+    m = model_cfg
+    mtp_routed = sum(p.numel() for name, mod in model.named_modules()
+                     if name.startswith("mtp.") and isinstance(mod, GroupedExperts) for p in mod.parameters())
+    mtp_activated = c.mtp - mtp_routed + mtp_routed * m.n_activated_experts // m.n_routed_experts
+    n = c.activated - c.embedding + mtp_activated + m.mtp_depth * c.head
+    attn = 3.0 * (m.n_layers + m.mtp_depth) * m.n_heads * (m.qk_head_dim + m.v_head_dim) * seq_len
+    return Flops(n, attn)
+
+
+def peak_flops(device: torch.device | None) -> tuple[float | None, str]:
+    """(peak FLOP/s per device or None, where it came from)."""
+    env = os.environ.get("DSV3_PEAK_TFLOPS")
+    if env:
+        return float(env) * 1e12, "$DSV3_PEAK_TFLOPS"
+    if device is None or device.type != "cuda":
+        return None, f"unknown for {device.type if device is not None else 'this device'}"
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS:
+        if key in name:
+            return value, name
+    return None, f"{name} is not in trainer.metrics.PEAK_FLOPS (set DSV3_PEAK_TFLOPS)"
+
+
+def rank_memory(device: torch.device, dims) -> dict[str, Any]:
+    """Peak memory of every rank (a collective: call on all ranks). CUDA: ``max_memory_allocated``;
+    CPU: the process's peak RSS. Returns ``mem_peak_gb`` (max over ranks), ``mem_peak_gb_min``,
+    ``mem_peak_rank`` (argmax) and, for worlds up to 64 ranks, ``mem_peak_gb_per_rank``."""
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device))
+    else:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0   # Linux: KiB
+    mine = torch.tensor([peak / 1e9], dtype=torch.float64, device=device)
+    if dims.world_size > 1:
+        gathered = [torch.zeros_like(mine) for _ in range(dims.world_size)]
+        torch.distributed.all_gather(gathered, mine)
+        per_rank = torch.cat(gathered).cpu()
+    else:
+        per_rank = mine.cpu()
+    out = {"mem_peak_gb": float(per_rank.max()), "mem_peak_gb_min": float(per_rank.min()),
+           "mem_peak_rank": int(per_rank.argmax())}
+    if dims.world_size <= PER_RANK_LIMIT:
+        out["mem_peak_gb_per_rank"] = [round(float(x), 4) for x in per_rank]
+    return out
+
+
+def simulated_bubble(schedule: str, pp: int, n_microbatches: int) -> float:
+    """Bubble fraction (largest per-rank idle time / makespan) of ``schedule`` from the simulator, unit costs."""
+    from parallel.pipeline.schedules import get_schedule
+    from parallel.pipeline.simulator import Costs, simulate
+
+    sim = simulate(get_schedule(schedule, pp, n_microbatches), Costs(f=1.0, b=1.0, w=1.0))
+    return sim.max_bubble / sim.makespan
+
+
+def panel_name(key: str) -> str:
+    """W&B name (``group/metric``) of a ``metrics.jsonl`` key."""
+    if key in ("tokens_per_s", "step_time_s", "tflops_per_rank", "mfu"):
+        return f"throughput/{key}"
+    if key == "max_expert_load_over_mean":
+        return "experts/max_over_mean"
+    if key.startswith("ep_"):
+        return "comm/" + key[3:]
+    if key.startswith("mem_"):
+        return "memory/" + key[4:]
+    if key.startswith("pipeline_"):
+        return "pipeline/" + key[9:]
+    if key == "val_loss":
+        return "val/loss"
+    return f"train/{key}"
+
+
+def _human(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+# ---- the logger ----------------------------------------------------------------------------------
 class MetricsLogger:
+    """One per rank; only rank 0 (``is_main``) writes. ``config_dict`` is the full run config as a dict;
+    ``device`` and ``world_size`` give MFU and per-rank numbers. ``heatmap_every``: steps between expert-load
+    heatmaps (default ``total_steps // 20``; one is also drawn at the end)."""
+
     def __init__(self, run_dir: Path, wandb_cfg, config_dict: dict, total_steps: int, start_step: int,
-                 progress: bool = True, is_main: bool = True):
+                 progress: bool = True, is_main: bool = True, *, device: torch.device | None = None,
+                 world_size: int = 1, heatmap_every: int | None = None):
         self.is_main = is_main
         self.run_dir = Path(run_dir)
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.heatmap_every = heatmap_every or max(1, total_steps // 20)
         self._file = open(self.run_dir / "metrics.jsonl", "a") if is_main else None
         self._eval_file = open(self.run_dir / "eval.jsonl", "a") if is_main else None
         self.wandb = None
-        if is_main and wandb_cfg.mode != "disabled":
-            os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
-            self.wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
-                                    tags=list(wandb_cfg.tags), mode=wandb_cfg.mode, dir=str(self.run_dir),
-                                    config=config_dict)
         self.bar = None
-        if is_main and progress:
-            import sys
-
+        self._load_sum: list[torch.Tensor] | None = None
+        self._load_from = start_step + 1
+        self._static_logged = False
+        self._last_step = start_step
+        self._totals = {"tokens": 0.0, "time": 0.0, "mem_peak_gb": None, "mem_peak_rank": None}
+        if not is_main:
+            return
+        self.step_tokens = config_dict["train"]["global_batch_size"] * config_dict["data"]["seq_len"]
+        self.flops, self.peak, self.peak_src, self.static = None, None, "", {}
+        self._derive(config_dict, device)
+        if wandb_cfg.mode != "disabled":
+            self.wandb = self._init_wandb(wandb_cfg, config_dict)
+        if progress:
             from tqdm.auto import tqdm
-            # Redraw rarely when stderr is a log file rather than a terminal.
+            # ETA from the step rate; redraw rarely when stderr is a log file rather than a terminal.
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
+
+    def _derive(self, cfg: dict, device: torch.device | None) -> None:
+        """FLOPs per token, peak FLOP/s, and the simulated pipeline bubble (static per run)."""
+        from models.config import ModelConfig
+        try:
+            self.flops = flops_per_token(ModelConfig(**cfg["model"]), cfg["data"]["seq_len"])
+        except Exception as e:   # never stop training over a derived metric
+            self.write(f"metrics: FLOPs per token unavailable ({e}); throughput/mfu omitted")
+        self.peak, self.peak_src = peak_flops(device)
+        if self.flops is not None:
+            self.static["throughput/flops_per_token"] = self.flops.per_token
+        if self.peak is not None:
+            self.static["throughput/peak_tflops"] = self.peak / 1e12
+        p, t = cfg["parallel"], cfg["train"]
+        if p["pp"] > 1:
+            dp = max(1, self.world_size // p["pp"])
+            n_micro = t["global_batch_size"] // (t["micro_batch_size"] * dp)
+            schedule = p["schedule"] if p["schedule"] != "none" else "1f1b"
+            try:
+                self.static["pipeline/bubble_unit_costs"] = simulated_bubble(schedule, p["pp"], n_micro)
+            except ValueError as e:
+                self.write(f"metrics: no simulated bubble for {schedule} pp={p['pp']} with {n_micro} "
+                           f"micro-batches: {e}")
+
+    def _init_wandb(self, wandb_cfg, config_dict: dict):
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+        mode = wandb_cfg.mode
+        if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
+            self.write("logging.wandb.mode=online but neither WANDB_API_KEY nor a `wandb login` was found: logging "
+                       f"offline to {self.run_dir / 'wandb'} (upload later with `wandb sync`)")
+            mode = "offline"
+        run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
+                         tags=list(wandb_cfg.tags), mode=mode, dir=str(self.run_dir), config=config_dict)
+        run.summary.update(dict(self.static) |
+                           {"throughput/flops_formula": "6*N + 3*(L+D)*H*(d_qk+d_v)*T",
+                            "throughput/peak_source": self.peak_src})
+        return run
+
+    # ---- per step ------------------------------------------------------------------------------
+    def derived(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Achieved TFLOP/s per rank and MFU for a step's metrics."""
+        out = {}
+        if self.flops is not None and metrics.get("tokens_per_s"):
+            achieved = metrics["tokens_per_s"] * self.flops.per_token / self.world_size
+            out["tflops_per_rank"] = achieved / 1e12
+            if self.peak:
+                out["mfu"] = achieved / self.peak
+        return out
 
     def log_step(self, metrics: dict[str, Any], expert_load: list[torch.Tensor] | None = None) -> None:
         if not self.is_main:
             return
-        self._file.write(json.dumps(metrics) + "\n")
+        row = metrics | self.derived(metrics)
+        step = self._last_step = row["step"]
+        self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        self._track(row)
+        loads = [x.detach().float().cpu() for x in (expert_load or [])]
         if self.wandb is not None:
-            extra = {}
-            for i, load in enumerate(expert_load or []):
-                load = load.float().cpu()
-                extra[f"expert_load/moe{i}_max_over_mean"] = (load.max() / load.mean().clamp_min(1e-9)).item()
-                extra[f"expert_load/moe{i}_min_over_mean"] = (load.min() / load.mean().clamp_min(1e-9)).item()
-                extra[f"expert_load_hist/moe{i}"] = self._wandb_hist(load)
-            self.wandb.log({f"train/{k}": v for k, v in metrics.items() if k != "step"} | extra,
-                           step=metrics["step"])
+            self.wandb.log(self._wandb_row(row, loads), step=step)
         if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            self.bar.update(step - self.bar.n)
+            post = {"loss": f"{row['loss']:.3f}", "tok/s": _human(row.get("tokens_per_s", 0.0))}
+            if "mfu" in row:
+                post["mfu"] = f"{100 * row['mfu']:.1f}%"
+            self.bar.set_postfix(post, refresh=False)
 
+    def _track(self, row: dict) -> None:
+        self._totals["tokens"] += self.step_tokens
+        self._totals["time"] += row.get("step_time_s", 0.0)
+        if "mem_peak_gb" in row and (self._totals["mem_peak_gb"] or 0) <= row["mem_peak_gb"]:
+            self._totals["mem_peak_gb"], self._totals["mem_peak_rank"] = row["mem_peak_gb"], row.get("mem_peak_rank")
+
+    def _wandb_row(self, row: dict, loads: list[torch.Tensor]) -> dict:
+        out = {}
+        for k, v in row.items():
+            if k == "step" or k == "mem_peak_gb_per_rank":
+                continue
+            out[panel_name(k)] = v
+        for r, gb in enumerate(row.get("mem_peak_gb_per_rank", [])):
+            out[f"memory/rank{r}_peak_gb"] = gb
+        if "ep_cross_node_tokens" in row and loads:
+            out["comm/cross_node_per_token"] = row["ep_cross_node_tokens"] / (self.step_tokens * len(loads))
+        if not self._static_logged:   # once, so that the value gets a panel (it is in the summary too)
+            out |= {k: v for k, v in self.static.items() if k.startswith("pipeline/")}
+            self._static_logged = True
+        for i, load in enumerate(loads):
+            mean = load.mean().clamp_min(1e-9)
+            out[f"experts/moe{i}_max_over_mean"] = float(load.max() / mean)
+            out[f"experts/moe{i}_min_over_mean"] = float(load.min() / mean)
+            out[f"experts/moe{i}_load"] = self._wandb_hist(load)
+        if loads:
+            self._load_sum = loads if self._load_sum is None else [a + b for a, b in zip(self._load_sum, loads)]
+            if row["step"] % self.heatmap_every == 0 or row["step"] >= self.total_steps:
+                out["experts/load_heatmap"] = self._heatmap(row["step"])
+        return out
+
+    def _heatmap(self, step: int):
+        import wandb
+        img = expert_load_heatmap(self._load_sum, f"expert load / layer mean, steps {self._load_from}-{step}")
+        self._load_sum, self._load_from = None, step + 1
+        return wandb.Image(img)
+
+    # ---- eval, text, end -------------------------------------------------------------------------
     def log_eval(self, step: int, val_loss: float) -> None:
         if not self.is_main:
             return
@@ -66,7 +309,31 @@ class MetricsLogger:
         else:
             print(line, flush=True)
 
+    def summary(self) -> str:
+        """Run-level throughput and memory for the final line: achieved TFLOP/s per rank, MFU, peak memory."""
+        if not self.is_main:
+            return ""
+        parts, run = [], {}
+        tot = self._totals
+        if self.flops is not None and tot["time"] > 0:
+            achieved = tot["tokens"] / tot["time"] * self.flops.per_token / self.world_size
+            run["throughput/run_tflops_per_rank"] = achieved / 1e12
+            text = f"{achieved / 1e12:.3g} TFLOP/s/rank"
+            if self.peak:
+                run["throughput/run_mfu"] = achieved / self.peak
+                text += f" (MFU {100 * achieved / self.peak:.1f}%)"
+            else:
+                text += " (MFU n/a: peak unknown)"
+            parts.append(text)
+        if tot["mem_peak_gb"] is not None:
+            parts.append(f"peak mem {tot['mem_peak_gb']:.2f} GB (rank {tot['mem_peak_rank']})")
+        if self.wandb is not None:
+            self.wandb.summary.update(run)
+        return "".join(f"; {p}" for p in parts)
+
     def close(self) -> None:
+        if self.wandb is not None and self._load_sum is not None:   # stopped between heatmaps (stop_at_step)
+            self.wandb.log({"experts/load_heatmap": self._heatmap(self._last_step)}, step=self._last_step)
         if self.bar is not None:
             self.bar.close()
         for f in (self._file, self._eval_file):
@@ -80,3 +347,97 @@ class MetricsLogger:
         import wandb
         # One bar per expert: tokens routed to expert i.
         return wandb.Histogram(np_histogram=(load.numpy(), list(range(len(load) + 1))))
+
+
+def expert_load_heatmap(loads: list[torch.Tensor], title: str):
+    """RGB image (numpy uint8 [H, W, 3]) of load / layer mean: one row per MoE layer, one column per expert."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rel = torch.stack([x / x.mean().clamp_min(1e-9) for x in loads]).numpy()
+    n_layers, n_experts = rel.shape
+    fig = Figure(figsize=(min(16.0, 2.5 + 0.06 * n_experts), min(12.0, 1.6 + 0.22 * n_layers)), dpi=80)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    vmax = max(2.0, float(rel.max()))
+    im = ax.imshow(rel, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
+
+
+def _netrc_has_wandb() -> bool:
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in path.read_text()
+    except OSError:
+        return False
+
+
+# ---- reading offline runs back -------------------------------------------------------------------
+def _wandb_records(path: Path):
+    """Raw records of a ``run-<id>.wandb`` file: a 7-byte header (``:W&B``, magic, version), then
+    LevelDB-log blocks of 32 KiB holding chunks with a 7-byte header (crc32, length, type:
+    1 full, 2 first, 3 middle, 4 last); a block tail shorter than a chunk header is zero padding."""
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path}: not a W&B transaction log")
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            yield chunk
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            yield pending + chunk
+        else:
+            raise ValueError(f"{path}: bad chunk type {kind} at byte {pos - 7 - length}")
+
+
+def read_offline_run(run_dir: str | Path) -> tuple[list[dict], dict]:
+    """``(history, summary)`` of an offline run dir (``.../wandb/offline-run-*``): one dict per logged
+    step (``_step``, metric names; media such as images as dicts with ``_type`` and ``path``), and the
+    final summary."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run_dir = Path(run_dir)
+    files = list(run_dir.glob("run-*.wandb"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"{run_dir}: expected one run-*.wandb file, found {len(files)}")
+
+    def put(row: dict, item) -> None:
+        keys = list(item.nested_key) or [item.key]
+        node = row
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = json.loads(item.value_json)
+
+    history, summary = [], {}
+    for raw in _wandb_records(files[0]):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row = {}
+            for item in rec.history.item:
+                put(row, item)
+            history.append(row)
+        elif kind == "summary":
+            for item in rec.summary.update:
+                put(summary, item)
+    return history, summary
+
