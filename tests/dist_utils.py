@@ -30,3 +30,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     den = b.double().norm()
     num = (a.double() - b.double()).norm()
     return float(num / den) if den > 0 else float(num)
+
+
+def grads_with_reference(model, ref_model, dims):
+    """Yield ``(name, grad, reference grad)`` for every parameter of the (expert-sharded) ``model``;
+    routed-expert references are sliced to this rank's shard."""
+    from parallel.ep import is_expert_param
+    expert = is_expert_param(model)
+    ref = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        g_ref = ref[name].grad
+        if expert[name]:
+            n = p.shape[0]
+            g_ref = g_ref[dims.ep_rank * n:(dims.ep_rank + 1) * n]
+        yield name, p.grad, g_ref

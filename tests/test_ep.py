@@ -9,9 +9,9 @@ from models import ModelConfig, build
 from models.moe import MoE
 from parallel.data_parallel import sync_gradients
 from parallel.dims import ParallelDims
-from parallel.ep import HierarchicalDispatcher, apply_ep, is_expert_param
+from parallel.ep import HierarchicalDispatcher, apply_ep
 
-from .dist_utils import rel_err, spawn
+from .dist_utils import grads_with_reference, rel_err, spawn
 
 TOL = 1e-6   # norm-wise relative error, fp32
 
@@ -25,14 +25,8 @@ def model_cfg(ep_nodes: int, limited: int) -> ModelConfig:
 
 
 def check_grads(ep_model, ref_model, dims, tag):
-    expert = is_expert_param(ep_model)
-    ref = dict(ref_model.named_parameters())
-    for name, p in ep_model.named_parameters():
-        g_ref = ref[name].grad
-        if expert[name]:
-            n = p.shape[0]
-            g_ref = g_ref[dims.ep_rank * n:(dims.ep_rank + 1) * n]
-        assert rel_err(p.grad, g_ref) <= TOL, f"{tag}: grad {name} rel err {rel_err(p.grad, g_ref):.2e}"
+    for name, g, g_ref in grads_with_reference(ep_model, ref_model, dims):
+        assert rel_err(g, g_ref) <= TOL, f"{tag}: grad {name} rel err {rel_err(g, g_ref):.2e}"
 
 
 def distinct_cross_node_pairs(topk_idx, per_node, my_node):

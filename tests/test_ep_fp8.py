@@ -16,10 +16,10 @@ from models import ModelConfig, build
 from models.moe import LocalDispatcher, MoE
 from parallel.data_parallel import sync_gradients
 from parallel.dims import ParallelDims
-from parallel.ep import AllToAllDispatcher, HierarchicalDispatcher, apply_ep, is_expert_param
+from parallel.ep import AllToAllDispatcher, HierarchicalDispatcher, apply_ep
 from parallel.ep import comm
 
-from .dist_utils import rel_err, spawn
+from .dist_utils import grads_with_reference, rel_err, spawn
 
 TOL = 1e-5
 D = 128
@@ -142,14 +142,8 @@ def _worker(rank, world, ep, rpn, dispatcher):
     # Backward: straight-through gradients for x, experts, gate and shared experts.
     assert rel_err(x_ep.grad, x_ref.grad[mine] * dims.dp) <= TOL, rel_err(x_ep.grad, x_ref.grad[mine] * dims.dp)
     sync_gradients(moe_ep, dims)
-    expert = is_expert_param(moe_ep)
-    refp = dict(moe_ref.named_parameters())
-    for name, p in moe_ep.named_parameters():
-        g_ref = refp[name].grad
-        if expert[name]:
-            n = p.shape[0]
-            g_ref = g_ref[dims.ep_rank * n:(dims.ep_rank + 1) * n]
-        assert rel_err(p.grad, g_ref) <= TOL, f"grad {name} rel err {rel_err(p.grad, g_ref):.2e}"
+    for name, g, g_ref in grads_with_reference(moe_ep, moe_ref, dims):
+        assert rel_err(g, g_ref) <= TOL, f"grad {name} rel err {rel_err(g, g_ref):.2e}"
 
     # The wire: FP8 bytes + scales out, activation dtype back; quantised once (before the inter-node hop).
     assert len(quant_calls) == 1, quant_calls

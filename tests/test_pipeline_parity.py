@@ -9,13 +9,13 @@ import torch.distributed as dist
 from models import ModelConfig, build
 from parallel.data_parallel import sync_gradients
 from parallel.dims import ParallelDims
-from parallel.ep import apply_ep, is_expert_param
+from parallel.ep import apply_ep
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.replicas import ReplicaSync
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.stages import build_stages, n_stages_of, prune_model
 
-from .dist_utils import rel_err, spawn
+from .dist_utils import grads_with_reference, rel_err, spawn
 
 CFG = dict(vocab_size=128, dim=32, n_layers=4, inter_dim=64, n_heads=2, q_lora_rank=16, kv_lora_rank=16,
            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_inter_dim=16, n_routed_experts=8,
@@ -54,15 +54,9 @@ def _worker(rank, world, schedule, pp, ep, n_mb):
     replicas.sum_grads(model)
     sync_gradients(model, dims)
 
-    expert = is_expert_param(model)
-    ref_p = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        g_ref = ref_p[name].grad
-        if expert[name]:
-            n = p.shape[0]
-            g_ref = g_ref[dims.ep_rank * n:(dims.ep_rank + 1) * n]
-        assert cos_dist(p.grad, g_ref) < 1e-10, (name, cos_dist(p.grad, g_ref))
-        assert rel_err(p.grad, g_ref) < 1e-6, (name, rel_err(p.grad, g_ref))
+    for name, g, g_ref in grads_with_reference(model, ref, dims):
+        assert cos_dist(g, g_ref) < 1e-10, (name, cos_dist(g, g_ref))
+        assert rel_err(g, g_ref) < 1e-6, (name, rel_err(g, g_ref))
     # Per-micro-batch LM losses: summed over the ranks that finished micro-batches, averaged over dp.
     t = torch.tensor([float(sums["lm"]), float(sums["n"])], dtype=torch.float64)
     dist.all_reduce(t)
