@@ -28,6 +28,8 @@ class ParallelConfig:
     schedule: str = "none"      # pipeline schedule: none | 1f1b | dualpipe | dualpipev
     ranks_per_node: int = 1     # GPUs per node; routing groups map to the nodes of the EP group
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
+    zero_backend: str = "native"  # native (parallel/zero) | deepspeed (DeepSpeed's ZeRO-1/2 optimizer; pp = 1)
+    zero_bucket_mb: float = 32.0  # gradient reduce-scatter / parameter all-gather bucket size (native)
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
     timeout_s: int = 600        # collective timeout; a hung peer raises an error naming rank and layer
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
@@ -47,6 +49,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0      # max global grad norm; 0 disables clipping
+    moment_dtype: str = "auto"  # AdamW moments: auto (bf16 with parallel.zero >= 1, else fp32) | bf16 | fp32
 
 
 @dataclass
@@ -145,6 +148,15 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
 
 
+def moment_dtype(cfg: Config) -> str:
+    """The AdamW moment dtype a config resolves to: ``auto`` is bf16 under the native ZeRO optimizer
+    (DeepSeek-V3's recipe) and fp32 otherwise (torch.optim.AdamW; DeepSpeed's optimizer)."""
+    o, p = cfg.optim, cfg.parallel
+    if o.moment_dtype != "auto":
+        return o.moment_dtype
+    return "bf16" if p.zero >= 1 and p.zero_backend == "native" else "fp32"
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Cross-field checks; raises ``ConfigError('<key>: <what is wrong>')``. Runs before anything is built."""
     cfg.model.validate("model")
@@ -167,8 +179,22 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
     dims.check_model(cfg.model)
     dp = dims.dp
-    if p.zero:
-        raise ConfigError(f"parallel.zero ({p.zero}): ZeRO sharding is not implemented yet (use 0)")
+    _one_of("parallel.zero_backend", p.zero_backend, ("native", "deepspeed"))
+    _one_of("optim.moment_dtype", o.moment_dtype, ("auto", "bf16", "fp32"))
+    if o.moment_dtype == "bf16" and p.zero == 0:
+        raise ConfigError("optim.moment_dtype=bf16 needs parallel.zero >= 1 (without ZeRO the optimizer is "
+                          "torch.optim.AdamW, whose moments are fp32; use auto or fp32)")
+    if p.zero_bucket_mb <= 0:
+        raise ConfigError(f"parallel.zero_bucket_mb: must be > 0, got {p.zero_bucket_mb}")
+    if p.zero_backend == "deepspeed":
+        if p.zero == 0:
+            raise ConfigError("parallel.zero_backend=deepspeed needs parallel.zero = 1 or 2")
+        if p.pp > 1:
+            raise ConfigError(f"parallel.zero_backend=deepspeed with parallel.pp ({p.pp}): DeepSpeed's ZeRO "
+                              "optimizer does not compose with our pipeline executor; use zero_backend=native")
+        if o.moment_dtype == "bf16":
+            raise ConfigError("optim.moment_dtype=bf16 with parallel.zero_backend=deepspeed: DeepSpeed's ZeRO-1/2 "
+                              "keeps the wrapped AdamW's moments in fp32; use fp32 (or auto) or zero_backend=native")
     if (p.pp > 1) != (p.schedule != "none"):
         raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
                           "(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")

@@ -39,12 +39,12 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
                           timeout=timeout, env=full_env)
 
 
-def run_torchrun(tmp_path: Path, name: str, nproc: int, *overrides: str) -> list[dict]:
-    """``+exp=tiny`` for 5 steps under torchrun (or one process when nproc == 1); returns metrics lines."""
+def run_torchrun(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5) -> list[dict]:
+    """``+exp=tiny`` for ``steps`` steps under torchrun (or one process when nproc == 1); returns metrics lines."""
     run_dir = tmp_path / name
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
         if nproc > 1 else [sys.executable]
-    cmd = [*launcher, "-m", "trainer", "+exp=tiny", "train.max_steps=5", "logging.wandb.mode=disabled",
+    cmd = [*launcher, "-m", "trainer", "+exp=tiny", f"train.max_steps={steps}", "logging.wandb.mode=disabled",
            "logging.progress=false", f"hydra.run.dir={run_dir}", f"data.cache_dir={tmp_path}/cache", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)

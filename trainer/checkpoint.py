@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch.distributed.checkpoint as dcp
 
+from models.config import ConfigError
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -89,6 +91,7 @@ class CheckpointManager:
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(
                 f"{path} is not a complete checkpoint (no .metadata); point checkpoint.resume at a step_* dir")
+        check_complete(path)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
 
@@ -101,6 +104,34 @@ class CheckpointManager:
         if self.keep > 0:
             for p in self.complete()[:-self.keep]:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+class TornCheckpointError(ConfigError):
+    """``checkpoint.resume`` points at a checkpoint whose files are not all there (exits 2, one line)."""
+
+
+def check_complete(path: Path) -> None:
+    """Every data file that ``.metadata`` points to exists and is long enough (a shard lost or cut short
+    after the save — a copy that missed a file, a full disk — fails here, naming the file, instead of
+    loading a partial state or failing deep inside DCP)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    need: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise TornCheckpointError(
+                f"checkpoint.resume: checkpoint {path} is incomplete: shard file {rel} is missing ({len(need)} files expected). "
+                f"Restore it, or resume from another checkpoint (checkpoint.resume=<step dir> or "
+                f"checkpoint.resume=none)")
+        if f.stat().st_size < size:
+            raise TornCheckpointError(
+                f"checkpoint.resume: checkpoint {path} is incomplete: shard file {rel} has {f.stat().st_size} bytes, the metadata "
+                f"needs {size}. Restore it, or resume from another checkpoint (checkpoint.resume=<step dir> or "
+                f"checkpoint.resume=none)")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -11,16 +11,17 @@ import numpy as np
 import torch
 import yaml
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import models
 from configs.schema import Config, OptimConfig
 from models.config import ConfigError
-from parallel.data_parallel import all_reduce_mean, all_reduce_sum_, clip_grad_norm, sync_gradients
+from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
 from parallel.pipeline.runner import PipelineRunner
 from parallel.state_dict import to_global, to_local
+from parallel.zero import build_optimizer
 
 from .checkpoint import CheckpointManager
 from .data import PackedBatches, load_corpus, val_batches
@@ -47,13 +48,6 @@ def lr_lambda(o: OptimConfig, max_steps: int):
     return f
 
 
-def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, dims: ParallelDims | None = None,
                  device: torch.device | None = None):
@@ -77,8 +71,9 @@ class Trainer:
             self.pipe = PipelineRunner(self.model, self.dims, cfg.parallel.schedule, n_micro,
                                        cfg.parallel.pp_layout, self.device, cfg.parallel.overlap)
         self.model.train()
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, t.max_steps))
+        # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
+        self.opt = build_optimizer(self.model, cfg, self.dims, self.pipe.grad_weight if self.pipe else None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, lr_lambda(cfg.optim, t.max_steps))
         self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed,
                                      dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
         self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
@@ -105,11 +100,12 @@ class Trainer:
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        model_sd, optim_sd = to_global(*get_state_dict(self.model, self.optimizer), self.model, self.dims)
+        model_sd, _ = to_global(get_model_state_dict(self.model), {}, self.model, self.dims)
+        optim_sd = self.opt.state_dict()   # moments per parameter name, global shapes (DTensor pieces)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        extra = {"step": self.step, "tokens": self.tokens, "scheduler": self.scheduler.state_dict(),
+        extra = {"step": self.step, "tokens": self.tokens, "scheduler": {"last_epoch": self.scheduler.last_epoch},
                  "data": self.batches.state_dict(), "rng": rng}
         return {"model": model_sd, "optim": optim_sd, "extra": extra}
 
@@ -123,11 +119,11 @@ class Trainer:
         self._check_model_config(path)
         state = self.state_dict()
         self.ckpt.load(path, state)
-        state = to_local(state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_model_state_dict(self.model, to_local(state["model"]))
+        self.opt.load_state_dict(state["optim"])   # after the weights: ZeRO rebuilds its master pieces from them
         extra = state["extra"]
         self.step, self.tokens = extra["step"], extra["tokens"]
-        self.scheduler.load_state_dict(extra["scheduler"])
+        self._restore_lr(int(extra["scheduler"]["last_epoch"]))
         self.batches.load_state_dict(extra["data"])
         torch.set_rng_state(extra["rng"]["torch"])
         random.setstate(extra["rng"]["python"])
@@ -135,6 +131,18 @@ class Trainer:
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
         return path
+
+    def _restore_lr(self, last_epoch: int) -> None:
+        """The LR schedule is a function of the step: only its position is checkpointed (the number of
+        param groups depends on the optimizer layout, e.g. ZeRO buckets, so per-group state would not
+        carry over to another layout)."""
+        fn = lr_lambda(self.cfg.optim, self.cfg.train.max_steps)
+        sd = self.scheduler.state_dict()
+        last_lr = [base * fn(last_epoch) for base in self.scheduler.base_lrs]
+        sd.update(last_epoch=last_epoch, _step_count=last_epoch + 1, _last_lr=last_lr)
+        self.scheduler.load_state_dict(sd)
+        for group, lr in zip(self.opt.optimizer.param_groups, last_lr):
+            group["lr"] = lr
 
     def _check_model_config(self, path: Path) -> None:
         saved_file = path / "model_config.yaml"
@@ -157,6 +165,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
             OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
             is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size)
+        self.logger.write(self.opt.memory().line())
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
         summary = {"val_loss_start": None, "val_loss_end": None}
@@ -207,18 +216,12 @@ class Trainer:
                 ids, lab = ids.to(self.device), lab.to(self.device)
                 with self.autocast:
                     out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
-                (out.loss / n_micro).backward()
+                self.opt.backward(out.loss / n_micro)
                 sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float().cpu()
-        clip = self.cfg.optim.grad_clip
-        if self.dims.world_size > 1:
-            sync_gradients(self.model, self.dims)
-            grad_norm = clip_grad_norm(self.model, clip, self.dims, self.pipe.grad_weight if self.pipe else None)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        grad_norm = self.opt.step(self.cfg.optim.grad_clip)   # reduce over dp, clip, update (sharded with ZeRO)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         self._last_load = self.update_expert_bias(gamma)
         self.step += 1
         step_tokens = t.global_batch_size * self.cfg.data.seq_len

@@ -1,0 +1,61 @@
+"""Per-rank memory of the training state, measured and by formula.
+
+With ``P_d`` dense and ``P_e`` routed-expert parameters held by this rank (after the pipeline split and
+EP), data-parallel size ``dp`` and expert-data-parallel size ``edp = dp / ep``, and shard size
+``S = P_d / dp + P_e / edp``::
+
+                 zero=0            zero=1            zero=2
+    parameters   4 (P_d + P_e)     4 (P_d + P_e)     4 (P_d + P_e)      fp32 model weights
+    gradients    4 (P_d + P_e)     4 (P_d + P_e)     4 S                fp32 accumulation (zero=2: the shard)
+    master       0                 4 S               4 S                fp32 master shard (zero=0: the weights)
+    optimizer    8 (P_d + P_e)     2 m S             2 m S              AdamW exp_avg + exp_avg_sq, m bytes each
+
+``m`` is 2 for BF16 moments and 4 for FP32. Measured numbers count the tensors the optimizer really
+allocated (shards are padded to equal size, so they can exceed the formula by a few elements per
+parameter); zero=2 frees each bucket's full gradients after its reduce-scatter, so ``gradients`` is what
+persists across micro-batches (a bucket in flight comes on top).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..dims import ParallelDims
+from ..ep import is_expert_param
+
+KEYS = ("params", "grads", "master", "optim")
+
+
+@dataclass
+class MemoryReport:
+    measured: dict[str, int]
+    formula: dict[str, int]
+    dense_params: int
+    expert_params: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.measured.values())
+
+    def line(self) -> str:
+        gib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        parts = [f"{k} {gib(self.measured[k])} (formula {gib(self.formula[k])})" for k in KEYS]
+        return (f"memory per rank: {', '.join(parts)}; total {gib(self.total)} "
+                f"[{self.dense_params:,} dense + {self.expert_params:,} expert parameters here]")
+
+
+def formula(dense: int, expert: int, dims: ParallelDims, zero: int, moment_bytes: int) -> dict[str, int]:
+    full = dense + expert
+    shard = dense / dims.dp + expert / dims.edp
+    return {"params": 4 * full,
+            "grads": round(4 * (shard if zero >= 2 else full)),
+            "master": round(4 * shard) if zero >= 1 else 0,
+            "optim": round(2 * moment_bytes * (shard if zero >= 1 else full))}
+
+
+def account(model: nn.Module, dims: ParallelDims, zero: int, moment_bytes: int, measured: dict[str, int]) -> MemoryReport:
+    expert = is_expert_param(model)
+    n_dense = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and not expert[n])
+    n_expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and expert[n])
+    return MemoryReport(measured, formula(n_dense, n_expert, dims, zero, moment_bytes), n_dense, n_expert)
