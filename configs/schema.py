@@ -189,6 +189,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if p.zero_backend == "deepspeed":
         if p.zero == 0:
             raise ConfigError("parallel.zero_backend=deepspeed needs parallel.zero = 1 or 2")
+        if world_size < 2:
+            raise ConfigError("parallel.zero_backend=deepspeed needs >= 2 data-parallel processes (torchrun); "
+                              "in one process use parallel.zero=0 or zero_backend=native")
         if p.pp > 1:
             raise ConfigError(f"parallel.zero_backend=deepspeed with parallel.pp ({p.pp}): DeepSpeed's ZeRO "
                               "optimizer does not compose with our pipeline executor; use zero_backend=native")
