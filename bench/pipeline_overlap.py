@@ -1,23 +1,36 @@
 """How much expert all-to-all time DualPipe's overlapped F&B hides, measured on CPU processes.
 
-    python bench/pipeline_overlap.py [--ep 1] [--latency-ms 10] [--steps 3]
+    python bench/pipeline_overlap.py [--ep 1] [--latency-ms 2 4 8] [--steps 8] [--dim 128] [--rows 4]
 
-pp=2 (DualPipe) x ep gloo processes, small model, 8 micro-batches. Every expert all-to-all on the
-inter-node path sleeps ``--latency-ms`` (injected wire time). With ``--ep 1`` each rank's experts stay
-local but still go through an all-to-all dispatcher over a one-rank group, so the injected latency
-is there while the 2 processes do not oversubscribe a 2-core machine. For overlap off/on and latency 0/L it
-times the F&B actions (the only place overlap can act) and the whole step on the slowest rank:
+pp=2 (DualPipe) x ep gloo processes, 8 micro-batches of ``--rows`` sequences of ``--seq`` tokens, a
+5-layer MoE model (all layers MoE, MTP depth 1; layout 3+2 layers, so both stages hold three MoE
+blocks, the last stage's third being the MTP block). Every expert all-to-all is in flight
+for ``--latency-ms`` (injected wire time: a deadline, see ``parallel.ep.comm.Pending``), forward and
+backward (with ``--ep 2``, the trainer's default hierarchical dispatcher over two EP nodes: the
+inter-node hops). With ``--ep 1`` each rank's experts stay local but still go through an all-to-all dispatcher
+over a one-rank group, so the injected latency is there while the 2 processes do not oversubscribe a
+2-core machine. For overlap off/on and latency 0/L it times the F&B actions (the only place overlap
+can act) and the whole step, on the slowest rank (best of ``--steps`` steps; the configurations run
+round-robin, one step each, so that a shared machine's load drifts over all of them alike, and the
+minimum drops the steps that another job's burst slowed down):
 
     hidden = 1 - (FB_on(L) - FB_on(0)) / (FB_off(L) - FB_off(0))
 
 i.e. the share of the injected latency inside F&B actions that no longer adds to their time.
+``FB_off(L) - FB_off(0)`` is the injected time itself (overlap off waits for every transfer at once).
+Cross-check from inside the overlapped F&Bs (less sensitive to a shared machine's load, which varies
+between runs): the time blocked in waits for transfers, ``1 - (wait_on(L) - wait_on(0)) / injected_on(L)``
+with ``injected_on(L)`` the latency injected into the transfers waited for per step. It also reports
+the compute time of one piece of an overlapped F&B at latency 0 (what one transfer of the other half
+can hide behind: 10th, 50th, 90th percentile) for each half.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -39,57 +52,89 @@ def worker(rank, world, store, args, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     dims = ParallelDims(world_size=world, rank=rank, pp=2, ep=args.ep).build_groups()
-    solo = {r: (dist.new_group([r]), dist.new_group([r])) for r in range(world)}[rank]   # every rank creates all
-    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=4, inter_dim=128, n_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_inter_dim=32, n_routed_experts=8,
-                      n_activated_experts=2, n_expert_groups=2, n_limited_groups=1, mtp_depth=1)
-    ids = torch.randint(0, cfg.vocab_size, (N_MB * 2, 65), generator=torch.Generator().manual_seed(rank % 2))
-    mbs = [(ids[i * 2:(i + 1) * 2, :-1], ids[i * 2:(i + 1) * 2, 1:]) for i in range(N_MB)]
+    solo = [dist.new_group([r]) for r in range(world)][rank]   # every rank creates every group
+    d = args.dim
+    cfg = ModelConfig(vocab_size=256, dim=d, n_layers=5, first_k_dense=0, inter_dim=2 * d, n_heads=4,
+                      q_lora_rank=d // 2, kv_lora_rank=d // 2, qk_nope_head_dim=d // 8, qk_rope_head_dim=d // 16,
+                      v_head_dim=d // 8, moe_inter_dim=args.moe_inter or d, n_routed_experts=8, n_activated_experts=2,
+                      n_expert_groups=2, n_limited_groups=1, mtp_depth=1)
+    ids = torch.randint(0, cfg.vocab_size, (N_MB * args.rows, args.seq + 1),
+                        generator=torch.Generator().manual_seed(rank % 2))
+    mbs = [(ids[i * args.rows:(i + 1) * args.rows, :-1], ids[i * args.rows:(i + 1) * args.rows, 1:])
+           for i in range(N_MB)]
+    runners = {}
     for overlap in (False, True):
-        for latency in (0.0, args.latency_ms):
+        for latency in [0.0] + args.latency_ms:
             model = apply_ep(build(cfg, seed=0), dims, latency_s=latency / 1e3).train()
             if args.ep == 1:
                 for moe in model.moe_layers():
-                    moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, solo[0], 1, latency / 1e3, solo[1])
-            runner = PipelineRunner(model, dims, "dualpipe", N_MB, overlap=overlap)
-            fb, step = [], []
-            for i in range(1 + args.steps):
-                dist.barrier()
-                start = time.perf_counter()
-                runner.forward_backward(mbs, 1.0 / N_MB, 0.3, 1e-4)
-                t0 = time.perf_counter() - start
-                model.zero_grad(set_to_none=True)
-                if i:   # skip the warm-up step
-                    fb.append(sum(runner.executor.durations.get(Kind.FB, [])))
-                    step.append(t0)
-            res = torch.tensor([sum(fb) / len(fb), sum(step) / len(step)], dtype=torch.float64)
-            dist.all_reduce(res, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                out[(overlap, latency)] = tuple(res.tolist())
+                    moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, solo, 1, latency / 1e3)
+            runners[(overlap, latency)] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2],
+                                                                 overlap=overlap))
+    # Round robin over the configurations, one step each, so that the load of a shared machine drifts
+    # over all of them alike; the best of the timed steps counts (the first round is warm-up).
+    fb, step, pieces, waits = ({k: [] for k in runners} for _ in range(4))
+    for i in range(1 + args.steps):
+        for key, (model, runner) in runners.items():
+            runner.executor.fb_pieces = []
+            dist.barrier()
+            start = time.perf_counter()
+            runner.forward_backward(mbs, 1.0 / N_MB, 0.3, 1e-4)
+            fbp = runner.executor.fb_pieces
+            t = torch.tensor([sum(runner.executor.durations.get(Kind.FB, [])), time.perf_counter() - start,
+                              sum(w for *_, w, _ in fbp), sum(inj or 0.0 for *_, inj in fbp)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank (the same counts on both)
+            model.zero_grad(set_to_none=True)
+            if i:
+                fb[key].append(float(t[0]))
+                step[key].append(float(t[1]))
+                waits[key].append((float(t[2]), float(t[3])))
+                pieces[key] += fbp
+    if rank == 0:
+        for key in runners:
+            med = [statistics.quantiles([c for h, c, *_ in pieces[key] if h == half], n=10)[::4] if pieces[key]
+                   else [0.0, 0.0, 0.0] for half in (0, 1)]   # 10th, 50th, 90th percentile
+            out[key] = (min(fb[key]), min(step[key]), min(w for w, _ in waits[key]), waits[key][0][1], *med)
     dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--latency-ms", type=float, default=10.0)
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[4.0])
     ap.add_argument("--ep", type=int, default=1, choices=(1, 2))
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--moe-inter", type=int, default=0, help="expert hidden size (default: --dim)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
     args = ap.parse_args()
     out = mp.Manager().dict()
     store = Path(tempfile.mkdtemp()) / "store"
     world = 2 * args.ep
     mp.spawn(worker, args=(world, str(store), args, out), nprocs=world, join=True)
-    L = args.latency_ms
-    print(f"DualPipe pp=2 x EP={args.ep} ({world} CPU processes), {N_MB} micro-batches, "
-          f"injected latency {L} ms per all-to-all")
+    print(f"DualPipe pp=2 x EP={args.ep} ({world} CPU processes), {N_MB} micro-batches of {args.rows}x{args.seq} "
+          f"tokens, dim {args.dim}, expert dim {args.moe_inter or args.dim}, injected latency {args.latency_ms} ms "
+          "per all-to-all")
+    fwd, bwd = (" / ".join(f"{t * 1e3:.1f}" for t in q) for q in out[(True, 0.0)][4:])
+    print(f"compute per piece of an overlapped F&B at latency 0, 10th / 50th / 90th percentile: forward half "
+          f"{fwd} ms, backward half {bwd} ms")
     print("| overlap | latency (ms) | F&B time per step (s) | step time (s) |")
     print("|---|---|---|---|")
-    for (overlap, lat), (fb, step) in sorted(out.items()):
+    for (overlap, lat), (fb, step, *_) in sorted(out.items()):
         print(f"| {'on' if overlap else 'off'} | {lat:g} | {fb:.3f} | {step:.3f} |")
-    injected = out[(False, L)][0] - out[(False, 0.0)][0]
-    exposed = out[(True, L)][0] - out[(True, 0.0)][0]
-    print(f"latency added to F&B actions: {injected:.3f} s without overlap, {exposed:.3f} s with overlap "
-          f"-> hidden {1 - exposed / injected:.0%}")
+    print("hidden = 1 - (FB_on(L) - FB_on(0)) / (FB_off(L) - FB_off(0)); cross-check from inside the overlapped "
+          "F&Bs: 1 - (wait_on(L) - wait_on(0)) / injected_on(L), wait = time blocked on transfers per step, "
+          "injected_on = the latency injected into the transfers waited for")
+    print("| latency (ms) | injected into F&Bs, overlap off (s) | exposed, overlap on (s) | hidden | "
+          "injected_on (s) | wait_on (s) | hidden (waits) |")
+    print("|---|---|---|---|---|---|---|")
+    for L in args.latency_ms:
+        injected = out[(False, L)][0] - out[(False, 0.0)][0]
+        exposed = out[(True, L)][0] - out[(True, 0.0)][0]
+        wait_exposed = out[(True, L)][2] - out[(True, 0.0)][2]
+        n = out[(True, L)][3]
+        print(f"| {L:g} | {injected:.3f} | {exposed:.3f} | {1 - exposed / injected:.0%} | {n:.3f} | "
+              f"{out[(True, L)][2]:.3f} | " + (f"{1 - wait_exposed / n:.0%} |" if n else "– |"))
 
 
 if __name__ == "__main__":

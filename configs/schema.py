@@ -33,7 +33,7 @@ class ParallelConfig:
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
     timeout_s: int = 600        # collective timeout; a hung peer raises an error naming rank and layer
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
-    overlap: bool = False       # DualPipe F&B: run the backward half in a second thread, concurrently (see docs/pipeline.md)
+    overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls (docs/pipeline.md)
     ep_latency_ms: float = 0.0  # injected latency per expert all-to-all (for overlap measurements)
     fp8_dispatch: bool = False  # MoE dispatch sends tokens as FP8 (E4M3, pow2 1x128 scales); combine stays BF16
 

@@ -102,8 +102,9 @@ class ParallelDims:
             "ep_inter": [list(range(b + l, b + ep, rpn)) for b in range(0, w, ep) for l in range(rpn)],
             "ep_intra": [list(range(b + n * rpn, b + (n + 1) * rpn)) for b in range(0, w, ep) for n in range(ep // rpn)],
         }
-        # Twins of the EP groups for backward all-to-alls: an overlapped F&B runs a forward and a backward
-        # in two threads, and each thread must own its groups for collectives to match across ranks.
+        # Twins of the EP groups for the autograd backward all-to-alls (``bwd_group``): needed only if a
+        # forward and a backward ever run in two threads. The overlapped F&B (parallel/pipeline/overlap.py)
+        # interleaves them in one thread, in the same order on every rank, over the main groups.
         for name in ("ep", "ep_inter", "ep_intra"):
             layouts[name + "_b"] = layouts[name]
         for name, rank_lists in layouts.items():

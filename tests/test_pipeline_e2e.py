@@ -14,6 +14,7 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize("nproc,overrides", [
     (4, ("parallel.pp=4", "parallel.schedule=dualpipe")),
     (4, ("parallel.pp=2", "parallel.ep=2", "parallel.schedule=dualpipe")),
+    (4, ("parallel.pp=2", "parallel.ep=2", "parallel.schedule=dualpipe", "parallel.overlap=false")),  # plain F then B
     (2, ("parallel.pp=2", "parallel.schedule=dualpipev")),
     (2, ("parallel.pp=2", "parallel.schedule=1f1b")),
 ])

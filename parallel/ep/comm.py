@@ -33,20 +33,33 @@ def named_errors(name: str, rank: int):
 
 class Pending:
     """Launched collectives; ``wait()`` blocks until all are done, then runs the ``then`` callbacks
-    (e.g. dequantising an FP8 payload into the output tensor) — after it the output tensor is valid."""
+    (e.g. dequantising an FP8 payload into the output tensor) — after it the output tensor is valid.
+
+    Injected latency (``latency_s``, for overlap measurements on CPU) is a deadline: a transfer added at
+    time t is in flight until t + latency, and ``wait()`` sleeps only what is left of it. Whatever the
+    caller computes between launch and ``wait()`` hides that much of it; a launch followed at once by
+    ``wait()`` (the synchronous path) pays it all."""
 
     def __init__(self, work=None):
         self.works, self.then = ([work] if work is not None else []), []
+        self.deadline = 0.0
+        self.latency_s = 0.0   # the largest latency injected into this set (reported by benchmarks)
 
-    def add(self, *works, then: Callable[[], None] | None = None) -> None:
+    def add(self, *works, then: Callable[[], None] | None = None, latency_s: float = 0.0) -> None:
         self.works.extend(w for w in works if w is not None)
         if then is not None:
             self.then.append(then)
+        if latency_s:
+            self.deadline = max(self.deadline, time.perf_counter() + latency_s)
+            self.latency_s = max(self.latency_s, latency_s)
 
     def wait(self) -> None:
         works, self.works = self.works, []
         for w in works:
             w.wait()
+        left, self.deadline = self.deadline - time.perf_counter(), 0.0
+        if left > 0:
+            time.sleep(left)
         then, self.then = self.then, []
         for fn in then:
             fn()
@@ -60,10 +73,10 @@ class _AllToAll(torch.autograd.Function):
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
                                       async_op=pending is not None)
-        if latency_s:
-            time.sleep(latency_s)   # injected link latency, for overlap measurements on CPU
         if pending is not None:
-            pending.add(work)
+            pending.add(work, latency_s=latency_s)   # injected link latency: a deadline (``Pending``)
+        elif latency_s:
+            time.sleep(latency_s)
         return out
 
     @staticmethod
@@ -80,9 +93,41 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
                pending: Pending | None = None, name: str = "moe", bwd_group=None) -> torch.Tensor:
     """Differentiable ``all_to_all_single``. With ``pending``, returns at once; wait on it before use.
 
-    ``bwd_group``: a twin of ``group`` used by the backward pass, so a backward running in another
-    thread (DualPipe's overlapped F&B) never interleaves its collectives with the forward's."""
+    ``bwd_group``: a twin of ``group`` used by the backward pass, so that a backward running in another
+    thread could never interleave its collectives with the forward's."""
     return _AllToAll.apply(x, out_splits, in_splits, group, latency_s, pending, name, bwd_group)
+
+
+def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, pending: Pending,
+                     latency_s: float = 0.0, fp8: bool = False, on_send: Callable[[torch.Tensor], None] | None = None
+                     ) -> torch.Tensor:
+    """Launch an uneven all-to-all of ``x`` outside autograd (``x`` is read detached); the returned tensor
+    is valid after ``pending.wait()``. ``fp8``: the rows travel as E4M3 bytes + power-of-2 scales and are
+    dequantised to ``x.dtype`` in ``wait()`` (as ``all_to_all_fp8``). Used by the piecewise pipeline
+    execution (``parallel.pipeline.overlap``), which issues the gradients' all-to-alls itself."""
+    x = x.detach()
+    if fp8:
+        q, s = quant_rows(x)
+        q_out = q.new_empty((sum(out_splits), q.shape[1]))
+        s_out = s.new_empty((sum(out_splits), s.shape[1]))
+        if on_send is not None:
+            on_send(q)
+            on_send(s)
+        w_q = dist.all_to_all_single(q_out, q, out_splits, in_splits, group=group, async_op=True)
+        w_s = dist.all_to_all_single(s_out, s, out_splits, in_splits, group=group, async_op=True)
+        out = x.new_empty((q_out.shape[0], x.shape[1]))
+
+        def land():
+            out.copy_(dequant_rows(q_out, s_out, out.dtype))
+        pending.add(w_q, w_s, then=land, latency_s=latency_s)
+        return out
+    x = x.contiguous()
+    if on_send is not None:
+        on_send(x)
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    pending.add(dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True),
+                latency_s=latency_s)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ FP8 routing
@@ -140,7 +185,7 @@ class _FP8Route(torch.autograd.Function):
             async_op = pending is not None and i == len(hops) - 1
             w_q = dist.all_to_all_single(q_out, q, hop.out_splits, hop.in_splits, group=hop.group, async_op=async_op)
             w_s = dist.all_to_all_single(s_out, s, hop.out_splits, hop.in_splits, group=hop.group, async_op=async_op)
-            if hop.latency_s:
+            if hop.latency_s and not async_op:
                 time.sleep(hop.latency_s)
             q, s = q_out, s_out
         if pending is None:
@@ -149,7 +194,7 @@ class _FP8Route(torch.autograd.Function):
 
         def land(out=out.detach(), q=q, s=s):   # runs in ``pending.wait()``, once both payloads are here
             out.copy_(dequant_rows(q, s, out.dtype))
-        pending.add(w_q, w_s, then=land)
+        pending.add(w_q, w_s, then=land, latency_s=hops[-1].latency_s)
         return out
 
     @staticmethod

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm import Hop, Pending, all_to_all, all_to_all_fp8, exchange_counts, fp8_route, named_errors
+from .comm import Hop, Pending, all_to_all, all_to_all_fp8, exchange_counts, fp8_route, named_errors, start_all_to_all
 
 
 @dataclass
@@ -59,13 +59,23 @@ class DispatchStats:
 
 
 class _Handle:
-    def __init__(self, finish, pending: Pending, name: str = "moe", rank: int = 0):
+    def __init__(self, finish, pending: Pending, name: str = "moe", rank: int = 0, on_wait=None):
         self._finish, self._pending, self._name, self._rank = finish, pending, name, rank
+        self._on_wait = on_wait   # called with the seconds ``wait()`` blocked
+
+    @property
+    def injected_s(self) -> float:
+        """The latency injected into this handle's transfers (0 without ``latency_s``)."""
+        return self._pending.latency_s
 
     def wait(self):
+        t0 = time.perf_counter()
         with named_errors(self._name, self._rank):
             self._pending.wait()
-            return self._finish()
+            out = self._finish()
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - t0)
+        return out
 
 
 class _DispatcherBase:
@@ -90,6 +100,48 @@ class _DispatcherBase:
         return _Handle(finish, pending, self.name, dist.get_rank())
 
 
+@dataclass
+class RoutePlan:
+    """Where the T*K token copies of one MoE call go (``AllToAllDispatcher.plan``)."""
+    order: torch.Tensor              # [T*K] copies sorted by global expert (row r: token order[r] // K)
+    K: int
+    in_splits: list[int]             # copies this rank sends to each EP rank
+    out_splits: list[int]            # copies this rank receives from each EP rank
+    perm: torch.Tensor               # received rows (grouped by source) -> grouped by local expert
+    tokens_per_expert: torch.Tensor  # [E_local] copies each local expert receives
+
+
+@dataclass
+class NodePlan:
+    """Stage 1 of the hierarchical route (``HierarchicalDispatcher.plan_nodes``): P (token, node) pairs."""
+    T: int
+    pair_tok: torch.Tensor     # [P] token of each pair (pairs sorted by node, then token)
+    pair_node: torch.Tensor    # [P] target node
+    on_node_PK: torch.Tensor   # [P, K] which of the token's K experts live on that node
+    ids_PK: torch.Tensor       # [P, K] those experts' global ids, -1 elsewhere
+    in1: list[int]             # pairs sent to each node
+    out1: list[int]            # pairs received from each node
+
+
+@dataclass
+class ForwardPlan:
+    """Stage 2, on the forwarding rank (``HierarchicalDispatcher.plan_forward``)."""
+    copy_row: torch.Tensor     # [C] received pair of each expert copy
+    copy_k: torch.Tensor       # [C] its slot k
+    order2: torch.Tensor       # copies sorted by expert within the node
+    in2: list[int]
+    out2: list[int]
+    perm: torch.Tensor         # received copies (grouped by source) -> grouped by local expert
+    tokens_per_expert: torch.Tensor
+
+
+def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """Expert outputs back in (token, k) order, weighted by the gate and summed over k -> ``[T, D]``."""
+    T, K = w_TK.shape
+    y_TKD = y_sorted[torch.argsort(order)].view(T, K, y_sorted.shape[-1])
+    return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+
+
 def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor) -> torch.Tensor:
     """Rows arrive grouped by (source, local expert); return the permutation grouping them by (expert, source)."""
     S, E = recv_counts_SE.shape
@@ -109,15 +161,55 @@ class AllToAllDispatcher(_DispatcherBase):
         self.latency_s = latency_s
         self.stats = DispatchStats()
 
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+    # ---- routing plan, shared by the autograd path and the piecewise (overlapped) pipeline path ----
+    def plan(self, topk_idx_TK) -> RoutePlan:
+        """Exchange the per-expert counts (a small blocking all-to-all) and compute where every token copy
+        goes: ``order`` sorts the T*K copies by global expert, ``perm`` sorts the received rows (grouped by
+        source rank) by local expert."""
         t0 = time.perf_counter()
-        T, K = topk_idx_TK.shape
+        with named_errors(self.name, dist.get_rank()):
+            plan = self._plan(topk_idx_TK)
+        self.stats.dispatch_s += time.perf_counter() - t0
+        return plan
+
+    def _plan(self, topk_idx_TK) -> RoutePlan:
+        K = topk_idx_TK.shape[1]
         flat = topk_idx_TK.flatten()
         order = torch.argsort(flat, stable=True)
         send_counts = torch.bincount(flat, minlength=self.n_experts).view(self.ep, self.n_local)
         recv_counts = exchange_counts(send_counts, self.group)
         in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         self._count_crossings(topk_idx_TK, in_splits)
+        return RoutePlan(order, K, in_splits, out_splits, _sort_source_major_to_expert_major(recv_counts),
+                         recv_counts.sum(0))
+
+    def start(self, rows: torch.Tensor, plan: RoutePlan, direction: str) -> _Handle:
+        """Launch one all-to-all of the plan outside autograd; ``wait()`` on the handle gives the rows.
+
+        ``dispatch``: token copies (sorted by global expert) -> the expert ranks (received grouped by
+        source; FP8 when ``fp8``); ``combine``: expert outputs (in that received order) -> back to the
+        source ranks (sorted by global expert); ``dispatch_grad`` / ``combine_grad``: the gradients of
+        those, travelling the reverse way (never quantised: the FP8 backward is straight-through).
+        The injected latency is a deadline (``Pending``)."""
+        splits = {"dispatch": (plan.out_splits, plan.in_splits), "combine": (plan.in_splits, plan.out_splits),
+                  "dispatch_grad": (plan.in_splits, plan.out_splits),
+                  "combine_grad": (plan.out_splits, plan.in_splits)}[direction]
+        fp8 = self.fp8 and direction == "dispatch"
+        count = {"dispatch": self.stats.count_dispatch, "combine": self.stats.count_combine}.get(direction)
+        pending = Pending()
+        with named_errors(f"{self.name} ({direction})", dist.get_rank()):
+            out = start_all_to_all(rows, *splits, self.group, pending, self.latency_s, fp8, count)
+        kind = "combine_s" if direction.startswith("combine") else "dispatch_s"
+
+        def waited(seconds):   # only the blocking part counts: the rest was hidden behind other work
+            setattr(self.stats, kind, getattr(self.stats, kind) + seconds)
+        return _Handle(lambda: out, pending, f"{self.name} ({direction})", dist.get_rank(), waited)
+
+    # ---- autograd path ------------------------------------------------------------------------------
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+        t0 = time.perf_counter()
+        plan = self._plan(topk_idx_TK)
+        order, K, in_splits, out_splits = plan.order, plan.K, plan.in_splits, plan.out_splits
         pending = Pending()
         if self.fp8:   # quantise the T source rows once, then send their K copies as bytes + scales
             x_recv = all_to_all_fp8(x_TD, out_splits, in_splits, self.group, self.latency_s, pending, self.name,
@@ -129,10 +221,9 @@ class AllToAllDispatcher(_DispatcherBase):
                                 self.bwd_group)
 
         def finish():
-            perm = _sort_source_major_to_expert_major(recv_counts)
-            handle = (order, topk_weight_TK, in_splits, out_splits, perm)
+            handle = (order, topk_weight_TK, in_splits, out_splits, plan.perm)
             self.stats.dispatch_s += time.perf_counter() - t0
-            return x_recv[perm], recv_counts.sum(0), handle
+            return x_recv[plan.perm], plan.tokens_per_expert, handle
         return self._handle(finish, pending)
 
     def _combine(self, y_RD, handle) -> _Handle:
@@ -145,9 +236,7 @@ class AllToAllDispatcher(_DispatcherBase):
                               self.bwd_group)
 
         def finish():
-            T, K = w_TK.shape
-            y_TKD = y_sorted[torch.argsort(order)].view(T, K, y_sorted.shape[-1])
-            out = (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+            out = unsort_and_weight(y_sorted, order, w_TK)
             self.stats.combine_s += time.perf_counter() - t0
             return out
         return self._handle(finish, pending)
@@ -180,18 +269,18 @@ class HierarchicalDispatcher(_DispatcherBase):
         self.latency_s = latency_s
         self.stats = DispatchStats()
 
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
-        t0 = time.perf_counter()
+    # ---- the route's steps, shared by the autograd path and the piecewise (overlapped) pipeline path ----
+    def plan_nodes(self, topk_idx_TK) -> NodePlan:
+        """Stage 1: one row per (token, target node), to the same local index on that node; exchanges the
+        row counts over the inter-node group (a small blocking all-to-all)."""
         T, K = topk_idx_TK.shape
-        N = self.n_nodes
-        # Stage 1: one row per (token, target node), to the same local index on that node.
+        dev = topk_idx_TK.device
         node_TK = topk_idx_TK // self.per_node
-        goes_NT = torch.zeros(N, T, dtype=torch.bool, device=x_TD.device)
-        goes_NT[node_TK.t().flatten(), torch.arange(T, device=x_TD.device).repeat(K)] = True
+        goes_NT = torch.zeros(self.n_nodes, T, dtype=torch.bool, device=dev)
+        goes_NT[node_TK.t().flatten(), torch.arange(T, device=dev).repeat(K)] = True
         pair_node, pair_tok = goes_NT.nonzero(as_tuple=True)             # sorted by node, then token
         on_node_PK = node_TK[pair_tok] == pair_node.unsqueeze(1)
         ids_PK = torch.where(on_node_PK, topk_idx_TK[pair_tok], -1)
-        w_PK = topk_weight_TK[pair_tok] * on_node_PK
         in1 = goes_NT.sum(1)
         out1 = exchange_counts(in1, self.inter)
         in1, out1 = in1.tolist(), out1.tolist()
@@ -199,55 +288,96 @@ class HierarchicalDispatcher(_DispatcherBase):
         self.stats.cross_node_copies += sum(n for i, n in enumerate(in1) if i != self.node)
         if T:
             self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(goes_NT.sum(0).max()))
-        if not self.fp8:
-            x_send = x_TD[pair_tok]
-            self.stats.count_dispatch(x_send)
-            x1 = all_to_all(x_send, out1, in1, self.inter, self.latency_s, None, self.name, self.inter_b)
-        w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name, self.inter_b)
-        ids1 = exchange_rows(ids_PK, out1, in1, self.inter)
-        # Stage 2: the forwarding rank sends one copy per chosen expert to the rank of its node that hosts it.
+        return NodePlan(T, pair_tok, pair_node, on_node_PK, ids_PK, in1, out1)
+
+    def plan_forward(self, ids1) -> ForwardPlan:
+        """Stage 2, on the forwarding rank: one copy per chosen expert to the rank of its node that hosts
+        it; exchanges the counts over the intra-node group."""
         copy_row, copy_k = (ids1 >= 0).nonzero(as_tuple=True)
         expert = ids1[copy_row, copy_k] - self.node * self.per_node        # expert index within this node
         order2 = torch.argsort(expert, stable=True)
         send2 = torch.bincount(expert, minlength=self.per_node).view(self.rpn, self.n_local)
         recv2 = exchange_counts(send2, self.intra)
-        in2, out2 = send2.sum(1).tolist(), recv2.sum(1).tolist()
+        return ForwardPlan(copy_row, copy_k, order2, send2.sum(1).tolist(), recv2.sum(1).tolist(),
+                           _sort_source_major_to_expert_major(recv2), recv2.sum(0))
+
+    @staticmethod
+    def forwarder_sum(y2, w1, fplan: ForwardPlan):
+        """On the forwarder: weight its node's expert outputs and sum them per received row (no
+        index_add: deterministic)."""
+        R1, K = w1.shape
+        idx = fplan.copy_row[fplan.order2] * K + fplan.copy_k[fplan.order2]
+        y_RKD = y2.new_zeros(R1 * K, y2.shape[-1]).index_put((idx,), y2)
+        return (y_RKD.view(R1, K, y2.shape[-1]) * w1.unsqueeze(-1).to(y2.dtype)).sum(1)
+
+    def node_sum(self, y1, nplan: NodePlan):
+        """Back at the source: sum the per-node partial outputs of each token -> ``[T, D]``."""
+        T, D = nplan.T, y1.shape[-1]
+        y_NTD = y1.new_zeros(self.n_nodes * T, D).index_put((nplan.pair_node * T + nplan.pair_tok,), y1)
+        return y_NTD.view(self.n_nodes, T, D).sum(0)
+
+    def start(self, rows: list, out_splits: list[int], in_splits: list[int], hop: str, latency: bool,
+              count=None, stat: str = "dispatch_s") -> _Handle:
+        """Launch the all-to-alls of ``rows`` (same splits) over the ``inter`` or ``intra`` group outside
+        autograd; ``wait()`` gives the received tensors, in order. ``latency``: the injected latency
+        applies (the inter-node hops, as in the autograd path). ``count``: byte counter for ``rows[0]``
+        (the token rows; gate weights and ids are not counted, as in the autograd path)."""
+        group = self.inter if hop == "inter" else self.intra
+        pending = Pending()
+        outs = []
+        with named_errors(self.name, dist.get_rank()):
+            for i, t in enumerate(rows):
+                outs.append(start_all_to_all(t, out_splits, in_splits, group, pending,
+                                             self.latency_s if latency else 0.0, False, count if i == 0 else None))
+
+        def waited(seconds):
+            setattr(self.stats, stat, getattr(self.stats, stat) + seconds)
+        return _Handle(lambda: outs, pending, self.name, dist.get_rank(), waited)
+
+    # ---- autograd path ------------------------------------------------------------------------------
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+        t0 = time.perf_counter()
+        np_ = self.plan_nodes(topk_idx_TK)
+        in1, out1, pair_tok = np_.in1, np_.out1, np_.pair_tok
+        w_PK = topk_weight_TK[pair_tok] * np_.on_node_PK
+        if not self.fp8:
+            x_send = x_TD[pair_tok]
+            self.stats.count_dispatch(x_send)
+            x1 = all_to_all(x_send, out1, in1, self.inter, self.latency_s, None, self.name, self.inter_b)
+        w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name, self.inter_b)
+        ids1 = exchange_rows(np_.ids_PK, out1, in1, self.inter)
+        fp = self.plan_forward(ids1)
+        in2, out2 = fp.in2, fp.out2
         pending = Pending()
         if self.fp8:   # both hops in one route: quantised here, bytes forwarded as they are, dequantised at the expert
             hops = [Hop(out1, in1, self.inter, self.inter_b, self.latency_s, rows=pair_tok),
-                    Hop(out2, in2, self.intra, self.intra_b, 0.0, rows=copy_row[order2])]
+                    Hop(out2, in2, self.intra, self.intra_b, 0.0, rows=fp.copy_row[fp.order2])]
             x2 = fp8_route(x_TD, hops, pending, self.name, on_send=self.stats.count_dispatch)
         else:
-            x_send = x1[copy_row[order2]]
+            x_send = x1[fp.copy_row[fp.order2]]
             self.stats.count_dispatch(x_send)
             x2 = all_to_all(x_send, out2, in2, self.intra, 0.0, pending, self.name, self.intra_b)
 
         def finish():
-            perm = _sort_source_major_to_expert_major(recv2)
-            handle = (T, pair_tok, pair_node, in1, out1, w1, copy_row, copy_k, order2, in2, out2, perm)
             self.stats.dispatch_s += time.perf_counter() - t0
-            return x2[perm], recv2.sum(0), handle
+            return x2[fp.perm], fp.tokens_per_expert, (np_, w1, fp)
         return self._handle(finish, pending)
 
     def _combine(self, y_RD, handle) -> _Handle:
         t0 = time.perf_counter()
-        T, pair_tok, pair_node, in1, out1, w1, copy_row, copy_k, order2, in2, out2, perm = handle
-        y_send = y_RD[torch.argsort(perm)]
+        np_, w1, fp = handle
+        y_send = y_RD[torch.argsort(fp.perm)]
         self.stats.count_combine(y_send)
-        y2 = all_to_all(y_send, in2, out2, self.intra, 0.0, None, self.name, self.intra_b)
-        # Forwarder: weight its node's expert outputs and sum them per received row (no index_add: deterministic).
-        R1, K = w1.shape
-        y_RKD = y2.new_zeros(R1 * K, y2.shape[-1]).index_put((copy_row[order2] * K + copy_k[order2],), y2)
-        partial = (y_RKD.view(R1, K, y2.shape[-1]) * w1.unsqueeze(-1).to(y2.dtype)).sum(1)
+        y2 = all_to_all(y_send, fp.in2, fp.out2, self.intra, 0.0, None, self.name, self.intra_b)
+        partial = self.forwarder_sum(y2, w1, fp)
         pending = Pending()
         self.stats.count_combine(partial)
-        y1 = all_to_all(partial, in1, out1, self.inter, self.latency_s, pending, self.name, self.inter_b)
+        y1 = all_to_all(partial, np_.in1, np_.out1, self.inter, self.latency_s, pending, self.name, self.inter_b)
 
         def finish():
-            D = y1.shape[-1]
-            y_NTD = y1.new_zeros(self.n_nodes * T, D).index_put((pair_node * T + pair_tok,), y1)
+            out = self.node_sum(y1, np_)
             self.stats.combine_s += time.perf_counter() - t0
-            return y_NTD.view(self.n_nodes, T, D).sum(0)
+            return out
         return self._handle(finish, pending)
 
 

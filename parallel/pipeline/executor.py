@@ -7,20 +7,25 @@ right before the consumer). Tags name (payload, stage, micro-batch), so transfer
 
 Backward kinds: BW runs the full backward of a stage; B computes only the stage-input gradient and
 keeps the graph; W later computes the parameter gradients (zero-bubble split — correct, though W
-re-traverses the graph; deferring only the weight GEMMs is a further optimisation). F&B runs its
-forward and backward halves one after the other.
+re-traverses the graph; deferring only the weight GEMMs is a further optimisation).
+
+``overlap=False`` (or a schedule without F&B actions): every stage runs as one autograd graph
+(``Stage.forward``, ``torch.autograd.backward``), and an F&B runs its forward and backward halves one
+after the other. ``overlap=True``: every stage runs piecewise, cut at its expert all-to-alls
+(``overlap.py``), and an F&B interleaves its forward and backward pieces in this thread so that one
+micro-batch's all-to-all is in flight while the other computes.
 
 Shapes: activations and their gradients crossing stages are ``[micro_batch, seq, dim]`` fp32.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
+from .overlap import backward_steps, forward_steps, run, run_pair, weight_backward
 from .schedules.actions import Action, Kind, Payload
 from .stages import Stage
 
@@ -34,7 +39,8 @@ class PipelineExecutor:
         self.n_stages = n_stages
         self.dim = dim
         self.device = torch.device(device)
-        self.overlap = overlap
+        # Piecewise execution only pays off around F&B actions (DualPipe, DualPipeV); 1F1B / ZB1P run plain.
+        self.overlap = overlap and any(a.kind is Kind.FB for a in actions)
 
     # ---- one optimizer step's worth of micro-batches ----------------------------------------------
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
@@ -44,6 +50,8 @@ class PipelineExecutor:
         self.mb = micro_batches
         self.scale, self.mtp_weight, self.aux_alpha = loss_scale, mtp_weight, aux_alpha
         self.inputs, self.outputs, self.aux, self.recv, self.in_grads = {}, {}, {}, {}, {}
+        self.tapes, self._pending_w = {}, {}   # piecewise forwards (overlap); B -> W hand-over
+        self.fb_pieces: list[tuple] = []   # overlapped F&Bs: (half, compute s, wait s, injected s) per piece
         self.sends = []
         self.sums = {k: torch.zeros((), dtype=torch.float64) for k in ("lm", "mtp", "aux", "n")}
         self.durations: dict[Kind, list[float]] = defaultdict(list)   # compute action wall times, this step
@@ -64,26 +72,54 @@ class PipelineExecutor:
         return self.sums
 
     # ---- compute ---------------------------------------------------------------------------------
-    def _f(self, a: Action) -> None:
-        st = self.stages[a.chunk]
-        ids, labels = (t.to(self.device) for t in self.mb[a.mb])
-        x = None
-        if not st.is_first:
-            src = self.recv.pop((Payload.ACT, a.mb, a.stage - 1), None)
-            if src is None:                                 # previous stage on this rank (DualPipeV's turn)
-                src = self.outputs[(a.mb, a.stage - 1)]
-            x = src.detach().requires_grad_()
-            self.inputs[(a.mb, a.stage)] = x
-        out, parts = st(x, ids, labels, self.mtp_weight)
+    def _stage_input(self, a: Action) -> torch.Tensor | None:
+        if self.stages[a.chunk].is_first:
+            return None
+        src = self.recv.pop((Payload.ACT, a.mb, a.stage - 1), None)
+        if src is None:                                 # previous stage on this rank (DualPipeV's turn)
+            src = self.outputs[(a.mb, a.stage - 1)]
+        x = src.detach().requires_grad_()
+        self.inputs[(a.mb, a.stage)] = x
+        return x
+
+    def _record(self, a: Action, out: torch.Tensor, aux: torch.Tensor | None, parts) -> None:
         self.outputs[(a.mb, a.stage)] = out
-        aux = st.aux_loss(self.aux_alpha)
         self.aux[(a.mb, a.stage)] = aux
         if aux is not None:
-            self.sums["aux"] += float(aux)
+            self.sums["aux"] += float(aux.detach())
         if parts is not None:
             self.sums["lm"] += float(parts[0])
             self.sums["mtp"] += float(parts[1])
             self.sums["n"] += 1
+
+    def _f(self, a: Action) -> None:
+        if self.overlap:
+            run(self._f_steps(a))
+            return
+        st = self.stages[a.chunk]
+        ids, labels = (t.to(self.device) for t in self.mb[a.mb])
+        x = self._stage_input(a)
+        out, parts = st(x, ids, labels, self.mtp_weight)
+        self._record(a, out, st.aux_loss(self.aux_alpha), parts)
+
+    def _f_steps(self, a: Action):
+        """Piecewise forward (``overlap``): the balance losses are seeded piece by piece in the backward,
+        so ``self.aux`` only keeps their detached sum, for the logs."""
+        st = self.stages[a.chunk]
+        ids, labels = (t.to(self.device) for t in self.mb[a.mb])
+        x = self._stage_input(a)
+        tape, parts = yield from forward_steps(st, x, ids, labels, self.mtp_weight, self.aux_alpha * self.scale)
+        self.tapes[(a.mb, a.stage)] = tape
+        with torch.no_grad():
+            aux = st.aux_loss(self.aux_alpha)
+        self._record(a, tape.out, aux, parts)
+
+    def _out_grad(self, a: Action) -> torch.Tensor:
+        """Gradient of the stage output: the loss scale on the last stage, else the next stage's."""
+        if self.stages[a.chunk].is_last:
+            return torch.full((), self.scale, dtype=self.outputs[(a.mb, a.stage)].dtype, device=self.device)
+        g = self.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
+        return g if g is not None else self.in_grads.pop((a.mb, a.stage + 1))
 
     def _targets(self, a: Action) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         out = self.outputs[(a.mb, a.stage)]
@@ -91,38 +127,60 @@ class PipelineExecutor:
         if self.stages[a.chunk].is_last:
             loss = out * self.scale + (aux * self.scale if aux is not None else 0)
             return [loss], [None]
-        g = self.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
-        if g is None:
-            g = self.in_grads.pop((a.mb, a.stage + 1))
-        tensors, grads = [out], [g]
+        tensors, grads = [out], [self._out_grad(a)]
         if aux is not None:
             tensors.append(aux * self.scale)
             grads.append(None)
         return tensors, grads
 
     def _bw(self, a: Action) -> None:
+        if self.overlap:
+            run(self._bw_steps(a))
+            return
         tensors, grads = self._targets(a)
         torch.autograd.backward(tensors, grads)
         self._finish_backward(a)
 
+    def _bw_steps(self, a: Action):
+        tape = self.tapes.pop((a.mb, a.stage))
+        yield from backward_steps(tape, self._out_grad(a))
+        self._finish_backward(a)
+
     def _b(self, a: Action) -> None:
+        key = (a.mb, a.stage)
+        x = self.inputs.get(key)
+        if self.overlap:
+            g = self._out_grad(a)
+            if x is None:   # the first stage has no input gradient: its whole backward runs at W
+                self._pending_w[key] = g
+            else:
+                run(backward_steps(self.tapes[key], g, mode="input"))
+                self.in_grads[key] = x.grad
+            return
         tensors, grads = self._targets(a)
-        self._pending_w = getattr(self, "_pending_w", {})
-        self._pending_w[(a.mb, a.stage)] = (tensors, grads)
-        x = self.inputs.get((a.mb, a.stage))
+        self._pending_w[key] = (tensors, grads)
         if x is not None:   # the first stage has no input gradient: all its work happens at W
             torch.autograd.backward(tensors, grads, inputs=[x], retain_graph=True)
-            self.in_grads[(a.mb, a.stage)] = x.grad
+            self.in_grads[key] = x.grad
         # outputs/aux stay until W
 
     def _w(self, a: Action) -> None:
-        tensors, grads = self._pending_w.pop((a.mb, a.stage))
+        key = (a.mb, a.stage)
         params = self._params(self.stages[a.chunk])
-        if params:   # a stage may hold no layers (more stages than layers)
-            torch.autograd.backward(tensors, grads, inputs=params)
-        self.outputs.pop((a.mb, a.stage))
-        self.aux.pop((a.mb, a.stage))
-        self.inputs.pop((a.mb, a.stage), None)
+        if self.overlap:
+            tape = self.tapes.pop(key)
+            g = self._pending_w.pop(key, None)
+            if g is not None:   # first stage: the deferred full backward
+                run(backward_steps(tape, g))
+            else:
+                weight_backward(tape, params)
+        else:
+            tensors, grads = self._pending_w.pop(key)
+            if params:   # a stage may hold no layers (more stages than layers)
+                torch.autograd.backward(tensors, grads, inputs=params)
+        self.outputs.pop(key)
+        self.aux.pop(key)
+        self.inputs.pop(key, None)
 
     def _finish_backward(self, a: Action) -> None:
         self.outputs.pop((a.mb, a.stage))
@@ -132,29 +190,15 @@ class PipelineExecutor:
             self.in_grads[(a.mb, a.stage)] = x.grad
 
     def _fb(self, a: Action) -> None:
-        """F&B: with ``overlap`` the backward half runs in a second thread while this thread runs the
-        forward half, so one micro-batch's expert all-to-all (its own process-group twins) travels
-        while the other computes; without it they run one after the other."""
+        """F&B: with ``overlap`` the forward half's and the backward half's pieces alternate in this
+        thread (``overlap.run_pair``): each all-to-all travels while the other micro-batch computes its
+        next piece. Without it the halves run one after the other."""
         fwd, bwd = a.parts()
         if not self.overlap:
             self._f(fwd)
             self._bw(bwd)
             return
-        error: list[BaseException] = []
-
-        def backward():
-            try:
-                self._bw(bwd)
-            except BaseException as e:   # re-raised in the main thread
-                error.append(e)
-        t = threading.Thread(target=backward, name="pipeline-backward")
-        t.start()
-        try:
-            self._f(fwd)   # the main thread keeps autocast and grad mode
-        finally:
-            t.join()
-        if error:
-            raise error[0]
+        run_pair(self._f_steps(fwd), self._bw_steps(bwd), self.fb_pieces)
 
     # ---- communication ---------------------------------------------------------------------------
     def _tag(self, a: Action) -> int:
