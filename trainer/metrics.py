@@ -18,6 +18,8 @@ W&B panels are grouped by the metric name's prefix (W&B makes one section per pr
                overlap, no p2p latency; logged once, also in the summary)
   memory/      peak_gb_max / peak_gb_min / peak_rank over ranks, rank<r>_peak_gb (worlds <= 64):
                CUDA ``max_memory_allocated``, on CPU the process's peak RSS
+               state_{params,grads,master,optim}_gb: the training state rank 0 holds (optimizer accounting,
+               parallel/zero/memory.py; constant over a run)
 
 FLOPs per token (training, forward + backward), the basis of MFU:
     6 * N + 3 * (L + D) * H * (d_qk + d_v) * T

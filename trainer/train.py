@@ -74,6 +74,7 @@ class Trainer:
         # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
         self.opt = build_optimizer(self.model, cfg, self.dims, self.pipe.grad_weight if self.pipe else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, lr_lambda(cfg.optim, t.max_steps))
+        self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
         self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed,
                                      dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
         self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
@@ -165,7 +166,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
             OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
             is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size)
-        self.logger.write(self.opt.memory().line())
+        self.logger.write(self.memory.line())
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
         summary = {"val_loss_start": None, "val_loss_end": None}
@@ -233,7 +234,8 @@ class Trainer:
                 "grad_norm": float(grad_norm), "tokens": self.tokens, "step_time_s": dt,
                 "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
                 "max_expert_load_over_mean": imbalance, **self._ep_metrics(), **self._pipeline_metrics(),
-                **rank_memory(self.device, self.dims)}
+                **rank_memory(self.device, self.dims),
+                **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}}
 
     def _pipeline_metrics(self) -> dict:
         """This rank's (rank 0's, in the log) measured bubble share and the simulator's prediction."""
