@@ -113,10 +113,28 @@ class ParallelDims:
                 if self.rank in ranks:
                     self.groups[name] = g
                     self.groups[name + "_ranks"] = ranks
+        self._build_pipeline_channels()
         from torch.distributed.device_mesh import init_device_mesh
         self.groups["mesh"] = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
                                                mesh_dim_names=("pp", "edp", "ep"))
         return self
+
+    def _build_pipeline_channels(self) -> None:
+        """One two-rank group per direction between adjacent pipeline ranks of every pipeline
+        (``parallel/pipeline/p2p.py`` says why): ``pp_send`` / ``pp_recv`` map the peer's pipeline rank
+        to (group, the peer's global rank)."""
+        import torch.distributed as dist
+
+        self.groups["pp_send"], self.groups["pp_recv"] = {}, {}
+        for d in range(self.dp):
+            ranks = [p * self.dp + d for p in range(self.pp)]
+            for p in range(self.pp - 1):
+                a, b = ranks[p], ranks[p + 1]
+                down, up = dist.new_group([a, b]), dist.new_group([a, b])   # a -> b, b -> a
+                if self.rank == a:
+                    self.groups["pp_send"][p + 1], self.groups["pp_recv"][p + 1] = (down, b), (up, b)
+                elif self.rank == b:
+                    self.groups["pp_send"][p], self.groups["pp_recv"][p] = (up, a), (down, a)
 
     def expert_mesh(self):
         """2-D (edp, ep) device mesh of this rank's pipeline stage: expert shards are Shard(0) over ep."""

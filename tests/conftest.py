@@ -4,6 +4,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# NCCL-strict p2p (parallel/pipeline/p2p.py): every pipeline transfer carries a header that its receiver
+# checks, so a send/receive order that NCCL would pair wrongly fails here instead of passing on gloo.
+# Inherited by spawned ranks and torchrun subprocesses.
+os.environ.setdefault("DSV3_NCCL_STRICT", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n 2 on a 2-core machine: one intra-op thread per worker avoids oversubscription.

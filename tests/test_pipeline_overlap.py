@@ -14,6 +14,7 @@ from parallel.dims import ParallelDims
 from parallel.ep import AllToAllDispatcher, apply_ep
 from parallel.ep.comm import Pending
 from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.overlap import _route_of, run, run_pair
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.schedules.actions import Kind
@@ -36,7 +37,7 @@ def _run(cfg, dims, schedule, n_mb, mbs, overlap, dispatcher, latency_s):
     prune_model(model, stages)
     actions = get_schedule(schedule, dims.pp, n_mb)[dims.pp_rank]
     assert any(a.kind is Kind.FB for a in actions)
-    ex = PipelineExecutor(stages, actions, dims.group("pp_ranks"), n_stages_of(schedule, dims.pp), cfg.dim,
+    ex = PipelineExecutor(stages, actions, PipeChannels(dims), n_stages_of(schedule, dims.pp), cfg.dim,
                           overlap=overlap)
     sums = ex.step(mbs, 1.0 / n_mb, 0.3, 0.01)
     assert bool(ex.fb_pieces) == overlap   # the F&Bs ran interleaved exactly when overlap is on

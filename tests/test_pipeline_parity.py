@@ -11,8 +11,9 @@ from parallel.data_parallel import sync_gradients
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
 from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.replicas import ReplicaSync
-from parallel.pipeline.schedules import get_schedule
+from parallel.pipeline.schedules import Kind, get_schedule
 from parallel.pipeline.stages import build_stages, n_stages_of, prune_model
 
 from .dist_utils import grads_with_reference, rel_err, spawn
@@ -48,7 +49,7 @@ def _worker(rank, world, schedule, pp, ep, n_mb):
     prune_model(model, stages)
     replicas = ReplicaSync(cfg, schedule, dims)
     actions = get_schedule(schedule, dims.pp, n_mb)[dims.pp_rank]
-    ex = PipelineExecutor(stages, actions, dims.group("pp_ranks"), n_stages_of(schedule, dims.pp), cfg.dim)
+    ex = PipelineExecutor(stages, actions, PipeChannels(dims), n_stages_of(schedule, dims.pp), cfg.dim)
     mine = [g[dims.dp_rank * rows:(dims.dp_rank + 1) * rows] for g in global_mbs]
     sums = ex.step([(m[:, :-1], m[:, 1:]) for m in mine], 1.0 / n_mb, 0.3, 0.01)
     replicas.sum_grads(model)
@@ -72,6 +73,8 @@ CASES = [  # schedule, pp, ep, world, micro-batches
     ("dualpipe", 4, 1, 4, 8),
     ("dualpipev", 2, 1, 2, 4),
     ("dualpipev", 4, 1, 4, 8),
+    ("dualpipev", 3, 1, 3, 7),  # odd pp; the smallest DualPipeV whose transfers needed FIFO placement
+    pytest.param("dualpipe", 6, 1, 6, 12, marks=pytest.mark.slow),   # the smallest such DualPipe
     ("dualpipe", 2, 2, 4, 4),   # EP=2 inside each stage (dp=2)
     ("1f1b", 2, 2, 4, 4),
 ]
@@ -80,3 +83,45 @@ CASES = [  # schedule, pp, ep, world, micro-batches
 @pytest.mark.parametrize("schedule,pp,ep,world,n_mb", CASES)
 def test_pipeline_matches_single_device(tmp_path, schedule, pp, ep, world, n_mb):
     spawn(_worker, world, tmp_path, schedule, pp, ep, n_mb)
+
+
+def _reordered_worker(rank, world, strict):
+    """DualPipe pp=2 with rank 1's two back-to-back receives from rank 0 (an activation and a gradient of
+    the same shape) swapped: a FIFO mistake that tag matching would have hidden."""
+    dims = ParallelDims(world_size=world, rank=rank, pp=2).build_groups()
+    cfg = ModelConfig(**CFG)
+    ref = build(cfg, seed=0).train()
+    model = copy.deepcopy(ref)
+    n_mb, rows = 4, 2
+    ids = torch.randint(0, cfg.vocab_size, (n_mb * rows, 17), generator=torch.Generator().manual_seed(1))
+    for i in range(n_mb):
+        g = ids[i * rows:(i + 1) * rows]
+        (ref.compute_loss(g[:, :-1], g[:, 1:], mtp_weight=0.3, aux_alpha=0.01).loss / n_mb).backward()
+    stages = build_stages(model, "dualpipe", 2, rank)
+    prune_model(model, stages)
+    actions = list(get_schedule("dualpipe", 2, n_mb)[rank])
+    if rank == 1:
+        i = next(i for i, (a, b) in enumerate(zip(actions, actions[1:]))
+                 if a.kind is b.kind is Kind.RECV and a.peer == b.peer and a.payload is not b.payload)
+        actions[i], actions[i + 1] = actions[i + 1], actions[i]
+    ex = PipelineExecutor(stages, actions, PipeChannels(dims, strict=strict), 2, cfg.dim)
+    ex.step([(ids[i * rows:(i + 1) * rows, :-1], ids[i * rows:(i + 1) * rows, 1:]) for i in range(n_mb)],
+            1.0 / n_mb, 0.3, 0.01)
+    ReplicaSync(cfg, "dualpipe", dims).sum_grads(model)
+    worst = max(cos_dist(g, g_ref) for _, g, g_ref in grads_with_reference(model, ref, dims))
+    worst = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    assert worst.item() > 1e-3, "the swapped receives must corrupt the gradients (pairing is FIFO, not by tag)"
+
+
+def test_reordered_receives_fail_in_strict_mode(tmp_path):
+    with pytest.raises(Exception, match=r"NCCL-strict p2p: pipeline rank 1 \(global 1\) expected grad of micro-batch "
+                                        r"\d stage 1 .* from pipeline rank 0 \(global 0\), but that rank sent act of "
+                                        r"micro-batch \d stage 0"):
+        spawn(_reordered_worker, 2, tmp_path, True)
+
+
+def test_reordered_receives_pair_in_issue_order(tmp_path):
+    """Without strict mode's headers nothing stops the swap: the tensors are exchanged silently, as they
+    would be on NCCL. (The reason the CPU tests run in strict mode.)"""
+    spawn(_reordered_worker, 2, tmp_path, False)

@@ -4,11 +4,14 @@ catches broken action lists.
 Cost convention: ``Costs.b`` is the input-gradient backward, the table's B is the *full* backward
 b + w. The table's cost model (formulas exact): F=2, b=2 (B=3), W=1, F&B = F + B = 5, no latency.
 """
+import hashlib
+import json
 import struct
+from pathlib import Path
 
 import pytest
 
-from parallel.pipeline.schedules import SCHEDULES, Action, Kind, Payload, get_schedule
+from parallel.pipeline.schedules import SCHEDULES, Action, Kind, Payload, get_schedule, p2p_streams
 from parallel.pipeline.schedules.dualpipe import local_phases
 from parallel.pipeline.simulator import Costs, ScheduleError, simulate, table_bubble
 
@@ -124,10 +127,20 @@ def _without(schedule, rank, pred):
 
 
 def test_checker_rejects_missing_send():
+    # The first send 0 -> 1 missing: rank 1's first receive pairs with rank 0's next send (FIFO, as NCCL).
     broken, _ = _without(get_schedule("dualpipe", 4, 8), 0, lambda a: a.kind is Kind.SEND)
-    waits = r"deadlock: no rank can make progress; waiting: .*rank 1 at action 0 \(recv act mb0 s0 <- r0\)"
-    with pytest.raises(ScheduleError, match=waits):
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0 \(recv act mb0 s0 <- r0\): FIFO violation: this is "
+                                            r"RECV #0 from rank 0, but rank 0's SEND #0 to rank 1 is act of micro-"
+                                            r"batch 1 stage 0"):
         simulate(broken)
+    # The last send 0 -> 1 missing: its receive waits for ever.
+    schedule = [list(a) for a in get_schedule("dualpipe", 4, 8)]
+    last = max(i for i, a in enumerate(schedule[0]) if a.kind is Kind.SEND and a.peer == 1)
+    gone = schedule[0].pop(last)
+    waits = rf"deadlock: no rank can make progress; waiting: .*rank 1 at action \d+ \(recv {gone.payload.value} " \
+            rf"mb{gone.mb} s{gone.stage} <- r0\)"
+    with pytest.raises(ScheduleError, match=waits):
+        simulate(schedule)
 
 
 def test_checker_rejects_missing_recv():
@@ -175,7 +188,7 @@ def test_checker_rejects_unmatched_send_and_wrong_peer():
     i = next(i for i, a in enumerate(wrong[0]) if a.kind is Kind.SEND)
     a = wrong[0][i]
     wrong[0][i] = Action(a.kind, a.mb, a.stage, a.chunk, 2, a.payload)
-    with pytest.raises(ScheduleError, match="deadlock"):
+    with pytest.raises(ScheduleError, match=r"rank 1, action 0 .*FIFO violation"):
         simulate(wrong)
 
 
@@ -208,3 +221,65 @@ def test_tool_reports_bad_arguments(capsys):
 
     assert main(["--schedule", "dualpipe", "--pp", "3", "--microbatches", "12"]) == 2
     assert "error: dualpipe: pp (3) must be even" in capsys.readouterr().err
+
+
+# ---- FIFO-consistent point-to-point (NCCL pairs sends and receives in issue order, ignoring tags) ----
+def _min_microbatches(name: str, pp: int) -> int:
+    return 2 * pp if name in ("dualpipe", "dualpipev") else pp
+
+
+def _fifo_cases():
+    for name in sorted(SCHEDULES):
+        for pp in range(2, 17):
+            if name == "dualpipe" and pp % 2:
+                continue
+            m = _min_microbatches(name, pp)
+            for n in sorted({m, m + 1, m + 2, 20, 40}):
+                if n >= m and not (name == "dualpipe" and n % 2):
+                    yield name, pp, n
+
+
+def test_every_rank_pair_is_fifo_consistent():
+    """For every schedule, pp 2..16 (DualPipeV odd pp too) and micro-batch counts {min, min+1/+2, 20, 40}:
+    the k-th SEND a -> b carries the same (payload, mb, stage) as the k-th RECV b <- a, for every ordered
+    pair; and the simulator (which pairs in FIFO order and checks every dependency) accepts the list."""
+    checked = set()
+    for name, pp, n in _fifo_cases():
+        schedule = get_schedule(name, pp, n)
+        streams = p2p_streams(schedule)
+        assert streams, (name, pp, n)
+        for (a, b), (sends, recvs) in streams.items():
+            got = [(x.payload, x.mb, x.stage) for x in recvs]
+            want = [(x.payload, x.mb, x.stage) for x in sends]
+            assert got == want, f"{name} pp={pp} n={n}: r{a}->r{b} sends {want} but r{b} receives {got}"
+        simulate(schedule, Costs(f=2, b=2, w=1, fb=4, p2p=0.5), n_microbatches=n)
+        checked.add((name, pp, n))
+    for name in SCHEDULES:   # the enumeration itself: every pp the schedule accepts, >= 3 batch counts each
+        pps = {pp for s, pp, _ in checked if s == name}
+        assert pps == (set(range(2, 17, 2)) if name == "dualpipe" else set(range(2, 17))), name
+        assert all(len({n for s, p, n in checked if (s, p) == (name, pp)}) >= 3 for pp in pps), name
+
+
+def test_compute_order_is_pinned():
+    """Placing the transfers must never move compute: each rank's compute actions (SEND/RECV stripped) are
+    pinned by digest, recorded from the schedules whose compute order matches DeepSeek's reference step()."""
+    golden = json.loads((Path(__file__).parent / "assets" / "schedule_compute_order.json").read_text())
+    for key, digest in golden.items():
+        name, pp, n = key.split()
+        schedule = get_schedule(name, int(pp), int(n))
+        text = "\n".join(" ".join(str(a) for a in rank if a.is_compute) for rank in schedule)
+        assert hashlib.sha256(text.encode()).hexdigest()[:16] == digest, key
+    assert len(golden) > 300
+
+
+def test_fifo_violation_is_rejected():
+    """The placement this project had before (each receive right before its consumer) is not FIFO for
+    DualPipe pp=8: r0 sends act6, grad8, grad9 to r1, which needed grad8, grad9, then act6."""
+    schedule = get_schedule("dualpipe", 8, 20)
+    recvs = [i for i, a in enumerate(schedule[1]) if a.kind is Kind.RECV and a.peer == 0]
+    i, j = next((i, j) for i, j in zip(recvs, recvs[1:]) if schedule[1][i].payload is not schedule[1][j].payload)
+    swapped = [list(r) for r in schedule]
+    swapped[1][i], swapped[1][j] = swapped[1][j], swapped[1][i]
+    with pytest.raises(ScheduleError, match=r"rank 1, action \d+ \(recv .* <- r0\): FIFO violation: this is RECV #\d+ "
+                                            r"from rank 0, but rank 0's SEND #\d+ to rank 1 is"):
+        simulate(swapped)

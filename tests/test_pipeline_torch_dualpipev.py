@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.schedules import get_schedule
 
 from .dist_utils import rel_err, spawn
@@ -47,7 +49,8 @@ def _worker(rank, world):
     # ours
     ours = {c: ToyStage(copy.deepcopy(full[s]), s, n_stages) for c, s in enumerate(mine)}
     actions = get_schedule("dualpipev", world, N_MB)[rank]
-    ex = PipelineExecutor(ours, actions, list(range(world)), n_stages, D)
+    channels = PipeChannels(ParallelDims(world_size=world, rank=rank, pp=world).build_groups())
+    ex = PipelineExecutor(ours, actions, channels, n_stages, D)
     mb = x.shape[0] // N_MB
     ex.step([(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) for i in range(N_MB)], 1.0 / N_MB)
 

@@ -2,8 +2,9 @@
 
 The executor owns the per-step state: stage inputs/outputs per (micro-batch, stage), received
 tensors, pending sends. Sends are asynchronous (``isend``), waited for at the end of the step, so a
-rank never blocks on its own send; a RECV blocks until its tensor has arrived (the schedule puts it
-right before the consumer). Tags name (payload, stage, micro-batch), so transfers match by identity.
+rank never blocks on its own send; a RECV waits until its tensor has arrived (on CUDA the stream
+waits, not the host). Transfers go over one channel per direction between neighbours and pair in issue
+order, as NCCL pairs them (``p2p.py``): no tags; the schedule's SEND/RECV order is FIFO-consistent.
 
 Backward kinds: BW runs the full backward of a stage; B computes only the stage-input gradient and
 keeps the graph; W later computes the parameter gradients (zero-bubble split — correct, though W
@@ -26,16 +27,19 @@ import torch
 import torch.distributed as dist
 
 from .overlap import backward_steps, forward_steps, run, run_pair, weight_backward
+from .p2p import PipeChannels
 from .schedules.actions import Action, Kind, Payload
 from .stages import Stage
 
 
 class PipelineExecutor:
-    def __init__(self, stages: dict[int, Stage], actions: list[Action], pp_ranks: list[int], n_stages: int,
+    WIRE_DTYPE = torch.float32   # activations and their gradients between stages (the residual stream)
+
+    def __init__(self, stages: dict[int, Stage], actions: list[Action], channels: PipeChannels, n_stages: int,
                  dim: int, device: torch.device | str = "cpu", overlap: bool = True):
         self.stages = stages                   # chunk -> Stage
         self.actions = actions
-        self.pp_ranks = pp_ranks               # pipeline rank -> global rank
+        self.p2p = channels                    # directional channels to the neighbouring pipeline ranks
         self.n_stages = n_stages
         self.dim = dim
         self.device = torch.device(device)
@@ -201,22 +205,18 @@ class PipelineExecutor:
         run_pair(self._f_steps(fwd), self._bw_steps(bwd), self.fb_pieces)
 
     # ---- communication ---------------------------------------------------------------------------
-    def _tag(self, a: Action) -> int:
-        return ((0 if a.payload is Payload.ACT else 1) * self.n_stages + a.stage) * len(self.mb) + a.mb
-
     def _send(self, a: Action) -> None:
         if a.payload is Payload.ACT:
             t = self.outputs[(a.mb, a.stage)].detach()
         else:
             t = self.in_grads.pop((a.mb, a.stage))
-        t = t.contiguous()
-        self.sends.append((dist.isend(t, dst=self.pp_ranks[a.peer], tag=self._tag(a)), t))
+        t = t.to(self.WIRE_DTYPE).contiguous()
+        self.sends.append((self.p2p.isend(t, a.peer, (a.payload.value, a.mb, a.stage)), t))
 
     def _recv(self, a: Action) -> None:
         ids = self.mb[a.mb][0]
-        buf = torch.empty(ids.shape[0], ids.shape[1], self.dim, device=self.device)
-        dist.irecv(buf, src=self.pp_ranks[a.peer], tag=self._tag(a)).wait()
-        self.recv[(a.payload, a.mb, a.stage)] = buf
+        buf = torch.empty(ids.shape[0], ids.shape[1], self.dim, device=self.device, dtype=self.WIRE_DTYPE)
+        self.recv[(a.payload, a.mb, a.stage)] = self.p2p.recv(buf, a.peer, (a.payload.value, a.mb, a.stage))
 
     # ---- helpers ---------------------------------------------------------------------------------
     @staticmethod

@@ -13,6 +13,7 @@ from models.transformer import DeepSeekV3
 
 from ..dims import ParallelDims
 from .executor import PipelineExecutor
+from .p2p import PipeChannels
 from .schedules.actions import Kind
 from .replicas import ReplicaSync
 from .schedules import get_schedule
@@ -27,10 +28,10 @@ class PipelineRunner:
         self.stages = build_stages(model, schedule, dims.pp, dims.pp_rank, layout)
         prune_model(model, self.stages)
         self.replicas = ReplicaSync(model.cfg, schedule, dims, layout)
-        self.pp_ranks = dims.group("pp_ranks")
+        self.p2p = PipeChannels(dims)
         self._schedule = get_schedule(schedule, dims.pp, n_microbatches)
         actions = self._schedule[dims.pp_rank]
-        self.executor = PipelineExecutor(self.stages, actions, self.pp_ranks, self.n_stages, model.cfg.dim, device,
+        self.executor = PipelineExecutor(self.stages, actions, self.p2p, self.n_stages, model.cfg.dim, device,
                                          overlap)
         self.device = torch.device(device)
 
@@ -77,22 +78,24 @@ class PipelineRunner:
             holder[st.stage] = chunk
         owner = self._owners()
         total = torch.zeros((), dtype=torch.float64)
-        for ids, labels in batches:
+        for i, (ids, labels) in enumerate(batches):
             ids, labels = ids.to(self.device), labels.to(self.device)
             h = None
             for s in range(self.n_stages):
                 rank = owner[s]
                 if rank == self.dims.pp_rank:
                     if s > 0 and owner[s - 1] != rank:
-                        h = torch.empty(ids.shape[0], ids.shape[1], self.cfg.dim, device=self.device)
-                        dist.recv(h, src=self.pp_ranks[owner[s - 1]])
+                        h = torch.empty(ids.shape[0], ids.shape[1], self.cfg.dim, device=self.device,
+                                        dtype=PipelineExecutor.WIRE_DTYPE)
+                        self.p2p.recv(h, owner[s - 1], ("eval", i, s - 1))
                     out, parts = self.stages[holder[s]](h, ids, labels)
                     if parts is not None:
-                        total += float(parts[0])
+                        total += parts[0].detach().double()
                     else:
                         h = out
                         if owner[s + 1] != rank:
-                            dist.send(h.contiguous(), dst=self.pp_ranks[owner[s + 1]])
+                            h = h.to(PipelineExecutor.WIRE_DTYPE).contiguous()
+                            self.p2p.isend(h, owner[s + 1], ("eval", i, s)).wait()
         dist.all_reduce(total, group=self.dims.group("pp"))   # only the last stage's owner added to it
         return float(total) / max(len(batches), 1)
 

@@ -8,12 +8,16 @@ raises ``ScheduleError`` (with the rank, the action's position and what is wrong
     gradient of (mb, s+1) (local or received); W(mb, s) needs B(mb, s) earlier on the same rank;
   - a SEND ships something its rank has not produced, or is never received; a RECV is not matched by
     exactly one SEND with the same (payload, mb, stage) from its peer;
+  - the transfers between two ranks are not FIFO-consistent: sends and receives pair in issue order per
+    ordered rank pair, as NCCL pairs them (it ignores tags), so the k-th RECV that rank b posts from
+    rank a must be for the same (payload, mb, stage) as the k-th SEND a posts to b;
   - the ranks stop making progress (deadlock: every unfinished rank waits on a RECV no one sends);
   - some (mb, stage) does not get exactly one F and either one B and one W, or one BW.
 
 Timing model. Compute actions take their cost from ``Costs``; F&B takes ``costs.fb`` (default F + BW,
 i.e. no overlap; set it lower to model overlap). A SEND takes no time and never blocks its rank; a
-RECV completes at max(now, time of the matching SEND + ``costs.p2p``). This is the contract for the
+RECV completes at max(now, time of the matching SEND + ``costs.p2p``), the matching SEND being the next
+unmatched one from its peer (FIFO). This is the contract for the
 executor too: sends must not hold up the sender's compute (post them asynchronously and wait for them
 lazily); only a RECV waits. Under rendezvous semantics (every batched exchange waited for, sends
 included) the DualPipe lists as placed here can deadlock; an executor that wants that needs a
@@ -105,6 +109,8 @@ def simulate(schedule: list[list[Action]], costs: Costs = Costs(), n_microbatche
     ranks = [_Rank(list(a)) for a in schedule]
     n_stages = 1 + max((p.stage for a in chain.from_iterable(schedule) if a.is_compute for p in a.parts()), default=-1)
     posted: dict[tuple, float] = {}  # (kind, payload, mb, stage, src, dst) -> time the op was posted
+    queued: dict[tuple[int, int], list[tuple[tuple, float]]] = {}   # (src, dst) -> SENDs in issue order
+    received: dict[tuple[int, int], int] = {}                        # (src, dst) -> RECVs matched so far
     done = {Kind.F: {}, Kind.B: {}, Kind.W: {}, Kind.BW: {}}  # (mb, stage) -> rank
 
     def fail(r: int, msg: str):
@@ -159,6 +165,21 @@ def simulate(schedule: list[list[Action]], costs: Costs = Costs(), n_microbatche
         if a.kind is Kind.SEND and (a.mb, a.stage) not in (st.fwd if a.payload is Payload.ACT else st.bwd):
             fail(r, f"SEND of {a.payload.value} of micro-batch {a.mb} stage {a.stage} before it is computed here")
         posted[k] = st.time
+        if a.kind is Kind.SEND:
+            queued.setdefault((r, a.peer), []).append((k, st.time))
+
+    def matching_send(r: int, a: Action) -> float | None:
+        """Post time of the SEND a RECV pairs with under FIFO (None: not posted yet); a FIFO violation
+        (that SEND carries another tensor) is an error."""
+        stream, k = queued.get((a.peer, r), []), received.get((a.peer, r), 0)
+        if k >= len(stream):
+            return None
+        (_, payload, mb, stage, _, _), t = stream[k]
+        if (payload, mb, stage) != (a.payload, a.mb, a.stage):
+            fail(r, f"FIFO violation: this is RECV #{k} from rank {a.peer}, but rank {a.peer}'s SEND #{k} to rank "
+                    f"{r} is {payload.value} of micro-batch {mb} stage {stage}; NCCL pairs them in issue order "
+                    f"(tags are ignored), so the tensors would be swapped or the ranks would hang")
+        return t
 
     def step(r: int) -> bool:
         """Advance rank r by one action; False if it waits on a RECV whose SEND has not been posted."""
@@ -167,11 +188,13 @@ def simulate(schedule: list[list[Action]], costs: Costs = Costs(), n_microbatche
         if a.is_compute:
             compute(r, a)
             return True
-        if a.kind is Kind.RECV and key(r, a, counterpart=True) not in posted:
+        sent_at = matching_send(r, a) if a.kind is Kind.RECV else None
+        if a.kind is Kind.RECV and sent_at is None:
             return False
         post(r, a)
-        end = st.time if a.kind is Kind.SEND else max(st.time, posted[key(r, a, counterpart=True)] + costs.p2p)
+        end = st.time if a.kind is Kind.SEND else max(st.time, sent_at + costs.p2p)
         if a.kind is Kind.RECV:
+            received[a.peer, r] = received.get((a.peer, r), 0) + 1
             st.got.add((a.payload, a.mb, a.stage))
         st.spans.append(Span(a, st.time, end))
         st.time, st.pos = end, st.pos + 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .actions import Action, Kind, Payload, add_p2p, fb
+from .actions import Action, Kind, Payload, add_p2p, fb, p2p_streams
 from .dualpipe import dualpipe
 from .dualpipev import dualpipev
 from .one_f_one_b import one_f_one_b
@@ -28,4 +28,4 @@ def get_schedule(name: str, pp: int, n_microbatches: int) -> list[list[Action]]:
     return SCHEDULES[name](pp, n_microbatches)
 
 
-__all__ = ["Action", "Kind", "Payload", "SCHEDULES", "add_p2p", "fb", "get_schedule"]
+__all__ = ["Action", "Kind", "Payload", "SCHEDULES", "add_p2p", "fb", "get_schedule", "p2p_streams"]

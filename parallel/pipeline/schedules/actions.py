@@ -91,10 +91,15 @@ def fb(fwd: Action, bwd: Action) -> Action:
 
 
 def add_p2p(compute: list[list[Action]]) -> list[list[Action]]:
-    """Insert SEND/RECV actions around compute-only rank lists.
+    """Insert SEND/RECV actions around compute-only rank lists, FIFO-consistent per rank pair.
 
-    Each RECV goes right before the action that consumes it and each SEND right after the action
-    that produced it (sends are asynchronous: they never hold up the sender, see the simulator).
+    Each SEND goes right after the action that produced its tensor (sends are asynchronous: they never
+    hold up the sender, see the simulator), so rank a's sends to rank b leave in production order. NCCL
+    pairs the k-th send a -> b with the k-th receive b <- a whatever the tags, so b must post its receives
+    from a in exactly that order. A receive is therefore placed right before the first compute action
+    on b that needs it *or any later item of the same a -> b stream*: as late as possible without
+    overtaking an item that a sends after it. Receiving early never delays anything: the later item
+    that forces it is consumed there and was sent after it. Compute order is left exactly as given.
     Which rank runs a (mb, stage) is read off the compute lists themselves.
     """
     fwd_rank: dict[tuple[int, int], int] = {}
@@ -107,28 +112,60 @@ def add_p2p(compute: list[list[Action]]) -> list[list[Action]]:
                 elif p.kind in (Kind.B, Kind.BW):
                     bwd_rank[p.mb, p.stage] = rank
 
-    out: list[list[Action]] = []
+    sends_after: list[list[list[Action]]] = [[[] for _ in actions] for actions in compute]
+    streams: dict[tuple[int, int], list[Action]] = {}   # (src, dst) -> sends in issue order
+    consumer: dict[tuple[int, Payload, int, int], int] = {}   # (dst, payload, mb, stage) -> compute index
     for rank, actions in enumerate(compute):
-        seq: list[Action] = []
-        for a in actions:
-            recvs, sends = [], []
+        for i, a in enumerate(actions):
             for p in a.parts():
                 if p.kind is Kind.F:
                     src = fwd_rank.get((p.mb, p.stage - 1), rank)
                     dst = fwd_rank.get((p.mb, p.stage + 1), rank)
-                    if src != rank:
-                        recvs.append(Action(Kind.RECV, p.mb, p.stage - 1, p.chunk, src, Payload.ACT))
-                    if dst != rank:
-                        sends.append(Action(Kind.SEND, p.mb, p.stage, p.chunk, dst, Payload.ACT))
+                    payload, received, sent = Payload.ACT, p.stage - 1, p.stage
                 elif p.kind in (Kind.B, Kind.BW):
                     src = bwd_rank.get((p.mb, p.stage + 1), rank)
                     dst = bwd_rank.get((p.mb, p.stage - 1), rank)
-                    if src != rank:
-                        recvs.append(Action(Kind.RECV, p.mb, p.stage + 1, p.chunk, src, Payload.GRAD))
-                    if dst != rank:
-                        sends.append(Action(Kind.SEND, p.mb, p.stage, p.chunk, dst, Payload.GRAD))
-            seq += recvs + [a] + sends
+                    payload, received, sent = Payload.GRAD, p.stage + 1, p.stage
+                else:
+                    continue
+                if src != rank:
+                    consumer[rank, payload, p.mb, received] = i
+                if dst != rank:
+                    send = Action(Kind.SEND, p.mb, sent, p.chunk, dst, payload)
+                    sends_after[rank][i].append(send)
+                    streams.setdefault((rank, dst), []).append(send)
+
+    recvs_before: list[list[list[Action]]] = [[[] for _ in actions] for actions in compute]
+    chunk_of = {(r, p.mb, p.stage): p.chunk for r, actions in enumerate(compute) for a in actions for p in a.parts()}
+    for (src, dst), sends in sorted(streams.items()):
+        at = [consumer[dst, s.payload, s.mb, s.stage] for s in sends]
+        for k in range(len(at) - 2, -1, -1):    # post no later than any later item of this stream needs it
+            at[k] = min(at[k], at[k + 1])
+        for s, i in zip(sends, at):
+            consumer_stage = s.stage + 1 if s.payload is Payload.ACT else s.stage - 1
+            chunk = chunk_of[dst, s.mb, consumer_stage]
+            recvs_before[dst][i].append(Action(Kind.RECV, s.mb, s.stage, chunk, src, s.payload))
+
+    out: list[list[Action]] = []
+    for rank, actions in enumerate(compute):
+        seq: list[Action] = []
+        for i, a in enumerate(actions):
+            seq += recvs_before[rank][i] + [a] + sends_after[rank][i]
         out.append(seq)
+    return out
+
+
+def p2p_streams(schedule: list[list[Action]]) -> dict[tuple[int, int], tuple[list[Action], list[Action]]]:
+    """``(a, b) -> (SENDs a -> b, RECVs b <- a)``, each in issue order, for every ordered rank pair that
+    communicates. FIFO consistency (what NCCL needs) is ``sends[k]`` and ``recvs[k]`` naming the same
+    ``(payload, mb, stage)`` for every k."""
+    out: dict[tuple[int, int], tuple[list[Action], list[Action]]] = {}
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind is Kind.SEND:
+                out.setdefault((rank, a.peer), ([], []))[0].append(a)
+            elif a.kind is Kind.RECV:
+                out.setdefault((a.peer, rank), ([], []))[1].append(a)
     return out
 
 
