@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import models
 from configs.schema import Config, OptimConfig
 from models.config import ConfigError
+from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
@@ -176,8 +177,9 @@ class Trainer:
         start, start_step = time.perf_counter(), self.step
         end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
         metrics = {}
+        trace_step = step_from_env()
         while self.step < end_step:
-            metrics = self.train_step()
+            metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == end_step:
                 metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
                 self.logger.log_eval(self.step, metrics["val_loss"])
@@ -236,6 +238,17 @@ class Trainer:
                 "max_expert_load_over_mean": imbalance, **self._ep_metrics(), **self._pipeline_metrics(),
                 **rank_memory(self.device, self.dims),
                 **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}}
+
+    def traced_step(self) -> dict:
+        """``train_step`` under the collective-order trace (``DSV3_TRACE_COLLECTIVES``,
+        ``parallel/collective_trace.py``): fails at the first group whose ranks issued different collectives."""
+        if self.dims.world_size == 1:
+            return self.train_step()
+        extra = {"replicas": self.pipe.replicas.groups} if self.pipe is not None else None
+        with CollectiveTrace(group_labels(self.dims, extra), self.run_dir / "collective_trace") as trace:
+            metrics = self.train_step()
+        self.logger.write(f"step {self.step}: {trace.check()}")
+        return metrics
 
     def _pipeline_metrics(self) -> dict:
         """This rank's (rank 0's, in the log) measured bubble share and the simulator's prediction."""
