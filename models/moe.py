@@ -60,6 +60,13 @@ class Gate(nn.Module):
         self.expert_bias.zero_()
 
 
+def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount(idx.flatten(), minlength=n)`` for ``idx < n``, without a host sync (CUDA's bincount
+    reads the maximum on the host to size its output). Integer adds: exact and order-independent."""
+    flat = idx.flatten()
+    return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights; computes on tokens already sorted by expert."""
 
@@ -71,11 +78,17 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x_RD``: token copies sorted by expert; ``tokens_per_expert [E]`` their counts."""
-        if self._grouped_mm_ok(x_RD):
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if torch.is_autocast_enabled(x_RD.device.type):
+            # autocast covers F.linear but not torch._grouped_mm: compute in the autocast dtype ourselves,
+            # as the dense layers do (otherwise BF16 training runs the experts in FP32).
+            dtype = torch.get_autocast_dtype(x_RD.device.type)
+            x_RD, w1, w2, w3 = (t.to(dtype) for t in (x_RD, w1, w2, w3))
+        if self._grouped_mm_ok(x_RD, w1):
             offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-            h = F.silu(torch._grouped_mm(x_RD, self.w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x_RD, self.w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+            h = F.silu(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offs))
+            h = h * torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         return self.forward_loop(x_RD, tokens_per_expert)
 
     def forward_loop(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -85,14 +98,15 @@ class GroupedExperts(nn.Module):
             outs.append(F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e]))
         return torch.cat(outs) if outs else x_RD.new_zeros(0, self.w2.shape[1])
 
-    def _grouped_mm_ok(self, x_RD: torch.Tensor) -> bool:
+    @staticmethod
+    def _grouped_mm_ok(x_RD: torch.Tensor, w1: torch.Tensor) -> bool:
         # torch._grouped_mm needs 16-byte aligned strides and a floating dtype the backend supports.
         if not hasattr(torch, "_grouped_mm") or x_RD.dtype not in (torch.float32, torch.bfloat16):
             return False
-        if self.w1.dtype != x_RD.dtype:
+        if w1.dtype != x_RD.dtype:
             return False
         per_elem = x_RD.element_size()
-        return (self.w1.shape[1] * per_elem) % 16 == 0 and (self.w1.shape[2] * per_elem) % 16 == 0
+        return (w1.shape[1] * per_elem) % 16 == 0 and (w1.shape[2] * per_elem) % 16 == 0
 
     def init_weights(self, std: float) -> None:
         for w in (self.w1, self.w2, self.w3):
@@ -114,7 +128,7 @@ class LocalDispatcher:
         K = topk_idx_TK.shape[1]
         flat_R = topk_idx_TK.flatten()
         order_R = torch.argsort(flat_R, stable=True)
-        tokens_per_expert = torch.bincount(flat_R, minlength=self.n_experts)
+        tokens_per_expert = expert_counts(flat_R, self.n_experts)
         x_RD = x_TD[order_R // K]
         return x_RD, tokens_per_expert, (order_R, topk_weight_TK)
 
@@ -160,7 +174,7 @@ class MoE(nn.Module):
         if self.training:
             self.aux_loss = sequence_balance_loss(scores_TE.view(B, T, -1), topk_idx_TK.view(B, T, -1))
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(topk_idx_TK.flatten(), minlength=self.n_experts)
+                self.tokens_per_expert += expert_counts(topk_idx_TK, self.n_experts)
         x_RD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
         y_TD = self.dispatcher.combine(self.experts(x_RD, tokens_per_expert), handle)
         if self.shared_experts is not None:

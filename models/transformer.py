@@ -148,14 +148,17 @@ def moe_aux_loss(moe_layers: list[MoE], aux_alpha: float) -> torch.Tensor | floa
 
 
 def build(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> DeepSeekV3:
-    """Build the model on ``device``. ``"meta"`` builds shapes only (no memory, no init)."""
+    """Build the model on ``device``. ``"meta"`` builds shapes only (no memory, no init).
+
+    The weights are drawn on the CPU and then moved, so a seed gives the same model on every device
+    (a GPU run starts from exactly the weights of the CPU run it is compared with)."""
     cfg.validate()
     with torch.device("meta"):
         model = DeepSeekV3(cfg)
     if torch.device(device).type == "meta":
         return model
-    model.to_empty(device=device)
+    model.to_empty(device="cpu")
     if seed is not None:
         torch.manual_seed(seed)
     model.init_weights()
-    return model
+    return model.to(device)

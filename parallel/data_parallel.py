@@ -7,8 +7,6 @@ Gradient of the global-batch mean loss, from per-rank mean losses:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -44,32 +42,29 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
     _all_reduce_flat(experts, dims.group("edp") if dims.edp > 1 else None, 1.0 / dims.dp)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None) -> float:
-    """Global L2 norm over all parameters, clipped in place. Expert shards are summed over the EP group,
-    pipeline stages over the pp group; ``weight(name)`` (1 / holders) counts a tensor held by several
-    pipeline ranks (DualPipe replicas, tied embeddings) once."""
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None) -> torch.Tensor:
+    """Global L2 norm over all parameters (a float64 scalar tensor on the parameters' device), clipped in
+    place. Expert shards are summed over the EP group, pipeline stages over the pp group; ``weight(name)``
+    (1 / holders) counts a tensor held by several pipeline ranks (DualPipe replicas, tied embeddings) once.
+    No host sync: the clip factor min(1, max_norm / norm) is applied on the device, like torch's own."""
     expert = is_expert_param(model)
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            sq = p.grad.detach().double().pow(2).sum().cpu() * (weight(n) if weight else 1.0)
-            if expert[n]:
-                expert_sq += sq
-            else:
-                dense_sq += sq
+    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    device = params[0][1].device if params else torch.device("cpu")
+    sq = {True: [], False: []}
+    for n, p in params:
+        sq[expert[n]].append(p.grad.detach().double().pow(2).sum() * (weight(n) if weight else 1.0))
+    dense_sq, expert_sq = (torch.stack(v).sum() if v else torch.zeros((), dtype=torch.float64, device=device)
+                           for v in (sq[False], sq[True]))
     if dims.ep > 1:
         dist.all_reduce(expert_sq, group=dims.group("ep"))
     total_sq = dense_sq + expert_sq
     if dims.pp > 1:
         dist.all_reduce(total_sq, group=dims.group("pp"))
-    total = math.sqrt(float(total_sq))
+    total = total_sq.sqrt()
     if max_norm > 0:
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for _, p in params:
+            p.grad.mul_(coef)
     return total
 
 

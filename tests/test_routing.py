@@ -134,7 +134,7 @@ def test_grouped_mm_matches_loop():
     moe.init_weights(0.2)
     x = torch.randn(40, 32, requires_grad=True)
     counts = torch.tensor([10, 0, 5, 5, 0, 12, 8, 0])
-    assert moe.experts._grouped_mm_ok(x)
+    assert moe.experts._grouped_mm_ok(x, moe.experts.w1)
     g = torch.randn(40, 32)
     y1 = moe.experts(x, counts)
     (gx1,) = torch.autograd.grad(y1, x, g)
@@ -142,3 +142,11 @@ def test_grouped_mm_matches_loop():
     (gx2,) = torch.autograd.grad(y2, x, g)
     torch.testing.assert_close(y1, y2)
     torch.testing.assert_close(gx1, gx2)
+    # Under BF16 autocast the grouped experts compute in BF16 like the dense layers (autocast itself
+    # does not cover torch._grouped_mm), and still match the per-expert loop (F.linear under autocast).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y3 = moe.experts(x, counts)
+        y4 = moe.experts.forward_loop(x, counts)
+    assert y3.dtype == y4.dtype == torch.bfloat16
+    torch.testing.assert_close(y3.float(), y4.float(), rtol=2e-2, atol=2e-2)
+    assert (y3.float() - y1).abs().max() > 0   # really computed in BF16, not FP32

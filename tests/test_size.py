@@ -100,7 +100,7 @@ def test_flops_per_token_matches_flop_counter_on_tiny(monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
 
     from models.moe import GroupedExperts
-    monkeypatch.setattr(GroupedExperts, "_grouped_mm_ok", lambda self, x: False)   # per-expert mm: counted
+    monkeypatch.setattr(GroupedExperts, "_grouped_mm_ok", staticmethod(lambda x, w: False))   # per-expert mm: counted
     cfg = models.preset("tiny")
     B, T = 2, 64
     model = models.build(cfg, "cpu", seed=0)

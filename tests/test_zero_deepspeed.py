@@ -108,7 +108,7 @@ def _against_native_worker(rank, world):
                 lab = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
                 for model, opt in pairs:
                     opt.backward(model.compute_loss(ids, lab, mtp_weight=0.3, aux_alpha=1e-3).loss / 2)
-            norms = [opt.step(max_norm) for _, opt in pairs]
+            norms = [float(opt.step(max_norm)) for _, opt in pairs]
             for _, opt in pairs:
                 opt.zero_grad()
             return norms

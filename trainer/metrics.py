@@ -112,13 +112,13 @@ def rank_memory(device: torch.device, dims) -> dict[str, Any]:
     if dims.world_size > 1:
         gathered = [torch.zeros_like(mine) for _ in range(dims.world_size)]
         torch.distributed.all_gather(gathered, mine)
-        per_rank = torch.cat(gathered).cpu()
+        per_rank = torch.cat(gathered).tolist()
     else:
-        per_rank = mine.cpu()
-    out = {"mem_peak_gb": float(per_rank.max()), "mem_peak_gb_min": float(per_rank.min()),
-           "mem_peak_rank": int(per_rank.argmax())}
+        per_rank = mine.tolist()
+    out = {"mem_peak_gb": max(per_rank), "mem_peak_gb_min": min(per_rank),
+           "mem_peak_rank": per_rank.index(max(per_rank))}
     if dims.world_size <= PER_RANK_LIMIT:
-        out["mem_peak_gb_per_rank"] = [round(float(x), 4) for x in per_rank]
+        out["mem_peak_gb_per_rank"] = [round(x, 4) for x in per_rank]
     return out
 
 

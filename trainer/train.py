@@ -105,8 +105,8 @@ class Trainer:
         model_sd, _ = to_global(get_model_state_dict(self.model), {}, self.model, self.dims)
         optim_sd = self.opt.state_dict()   # moments per parameter name, global shapes (DTensor pieces)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+        if self.device.type == "cuda":   # this rank's GPU only: touching the others would create contexts there
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
         extra = {"step": self.step, "tokens": self.tokens, "scheduler": {"last_epoch": self.scheduler.last_epoch},
                  "data": self.batches.state_dict(), "rng": rng}
         return {"model": model_sd, "optim": optim_sd, "extra": extra}
@@ -130,8 +130,8 @@ class Trainer:
         torch.set_rng_state(extra["rng"]["torch"])
         random.setstate(extra["rng"]["python"])
         np.random.set_state(extra["rng"]["numpy"])
-        if "cuda" in extra["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(extra["rng"]["cuda"])
+        if "cuda" in extra["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(extra["rng"]["cuda"], self.device)
         return path
 
     def _restore_lr(self, last_epoch: int) -> None:
@@ -206,7 +206,7 @@ class Trainer:
         t0 = time.perf_counter()
         mtp_w = t.mtp_loss_weight.at(self.step, self.tokens)
         gamma = t.bias_update_speed.at(self.step, self.tokens)
-        input_ids, labels = self.batches.next_batch()          # this dp rank's share of the global batch
+        input_ids, labels = map(self._to_device, self.batches.next_batch())   # this dp rank's share
         micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
         n_micro = len(micro)
         if self.pipe is not None:
@@ -214,13 +214,12 @@ class Trainer:
                 sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
             self.pipe.sum_replica_grads(self.model)
         else:
-            sums = torch.zeros(3)
+            sums = torch.zeros(3, device=self.device)   # on the device: no host sync per micro-batch
             for ids, lab in micro:
-                ids, lab = ids.to(self.device), lab.to(self.device)
                 with self.autocast:
                     out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
                 self.opt.backward(out.loss / n_micro)
-                sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float().cpu()
+                sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float()
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.opt.step(self.cfg.optim.grad_clip)   # reduce over dp, clip, update (sharded with ZeRO)
         self.scheduler.step()
@@ -229,15 +228,27 @@ class Trainer:
         self.step += 1
         step_tokens = t.global_batch_size * self.cfg.data.seq_len
         self.tokens += step_tokens
+        # The step's numbers reach the host in one sync (on CUDA: after the step's work is done, so the
+        # step time below covers the GPU's work, not only the launches).
+        scalars = [all_reduce_mean(sums / n_micro, self.dims).double(),
+                   torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device).reshape(1)]
+        if self._last_load:
+            loads = torch.stack(self._last_load).double()
+            scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
+        lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()
         dt = time.perf_counter() - t0
-        lm, mtp, aux = all_reduce_mean(sums / n_micro, self.dims).tolist()
-        imbalance = max((float(x.max() / x.mean().clamp_min(1e-9)) for x in self._last_load), default=1.0)
         return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
-                "grad_norm": float(grad_norm), "tokens": self.tokens, "step_time_s": dt,
+                "grad_norm": grad_norm, "tokens": self.tokens, "step_time_s": dt,
                 "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                "max_expert_load_over_mean": imbalance, **self._ep_metrics(), **self._pipeline_metrics(),
+                "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(), **self._pipeline_metrics(),
                 **rank_memory(self.device, self.dims),
                 **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}}
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device; on CUDA through pinned memory, so the copy runs asynchronously."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def traced_step(self) -> dict:
         """``train_step`` under the collective-order trace (``DSV3_TRACE_COLLECTIVES``,
@@ -262,15 +273,18 @@ class Trainer:
         stats = [m.dispatcher.stats for m in self.model.moe_layers() if hasattr(m.dispatcher, "stats")]
         if not stats:
             return {}
+        dev = self.device   # NCCL reduces device tensors only
         v = torch.tensor([sum(s.cross_node_copies for s in stats), sum(s.dispatch_s for s in stats),
-                          sum(s.combine_s for s in stats)], dtype=torch.float64)
-        mx = torch.tensor([max(s.max_nodes_per_token for s in stats)], dtype=torch.float64)
+                          sum(s.combine_s for s in stats)], dtype=torch.float64, device=dev)
+        mx = torch.stack([torch.as_tensor(s.max_nodes_per_token, dtype=torch.float64, device=dev)
+                          for s in stats]).amax().reshape(1)
         torch.distributed.all_reduce(v, group=self.dims.group("dp"))
         torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX, group=self.dims.group("dp"))
         for s in stats:
             s.reset()
-        return {"ep_cross_node_tokens": int(v[0]), "ep_max_nodes_per_token": int(mx[0]),
-                "ep_dispatch_s": float(v[1]) / self.dims.dp, "ep_combine_s": float(v[2]) / self.dims.dp}
+        v = torch.cat([v, mx]).tolist()
+        return {"ep_cross_node_tokens": int(v[0]), "ep_max_nodes_per_token": int(v[3]),
+                "ep_dispatch_s": v[1] / self.dims.dp, "ep_combine_s": v[2] / self.dims.dp}
 
     @torch.no_grad()
     def update_expert_bias(self, gamma: float) -> list[torch.Tensor]:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from models.moe import expert_counts
+
 from .comm import Hop, Pending, all_to_all, all_to_all_fp8, exchange_counts, fp8_route, named_errors, start_all_to_all
 
 
@@ -39,7 +41,7 @@ class DispatchStats:
     """Accumulated since the last ``reset()`` (the trainer reads and resets them every step)."""
     calls: int = 0
     cross_node_copies: int = 0     # token rows this rank sent over a node boundary (dispatch direction)
-    max_nodes_per_token: int = 0
+    max_nodes_per_token: int | torch.Tensor = 0   # a device tensor once counted: no host sync per layer
     dispatch_s: float = 0.0
     combine_s: float = 0.0
     dispatch_bytes: int = 0        # bytes of token rows (+ FP8 scales) this rank handed to the dispatch all-to-alls
@@ -50,6 +52,12 @@ class DispatchStats:
         self.calls = self.cross_node_copies = self.max_nodes_per_token = 0
         self.dispatch_s = self.combine_s = 0.0
         self.dispatch_bytes = self.combine_bytes = 0
+
+    def note_nodes_per_token(self, nodes_T: torch.Tensor) -> None:
+        """Running max of distinct nodes per token, kept on the device (read once per step by the trainer)."""
+        m = nodes_T.max()
+        prev = self.max_nodes_per_token
+        self.max_nodes_per_token = torch.maximum(prev, m) if isinstance(prev, torch.Tensor) else m
 
     def count_dispatch(self, t: torch.Tensor) -> None:
         self.dispatch_bytes += t.numel() * t.element_size()
@@ -142,11 +150,13 @@ def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.T
     return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
 
 
-def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor) -> torch.Tensor:
-    """Rows arrive grouped by (source, local expert); return the permutation grouping them by (expert, source)."""
+def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Rows arrive grouped by (source, local expert); return the permutation grouping them by (expert, source).
+    ``n_rows`` = ``recv_counts_SE.sum()``, already known on the host (the split sizes): no sync for it."""
     S, E = recv_counts_SE.shape
     key = torch.arange(S * E, device=recv_counts_SE.device).view(S, E).t().flatten()  # expert-major rank of (s, e)
-    rank_of_row = torch.repeat_interleave(torch.argsort(key).view(S, E).flatten(), recv_counts_SE.flatten())
+    rank_of_row = torch.repeat_interleave(torch.argsort(key).view(S, E).flatten(), recv_counts_SE.flatten(),
+                                          output_size=n_rows)
     return torch.argsort(rank_of_row, stable=True)
 
 
@@ -176,12 +186,12 @@ class AllToAllDispatcher(_DispatcherBase):
         K = topk_idx_TK.shape[1]
         flat = topk_idx_TK.flatten()
         order = torch.argsort(flat, stable=True)
-        send_counts = torch.bincount(flat, minlength=self.n_experts).view(self.ep, self.n_local)
+        send_counts = expert_counts(flat, self.n_experts).view(self.ep, self.n_local)
         recv_counts = exchange_counts(send_counts, self.group)
-        in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        in_splits, out_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()   # one host sync
         self._count_crossings(topk_idx_TK, in_splits)
-        return RoutePlan(order, K, in_splits, out_splits, _sort_source_major_to_expert_major(recv_counts),
-                         recv_counts.sum(0))
+        perm = _sort_source_major_to_expert_major(recv_counts, sum(out_splits))
+        return RoutePlan(order, K, in_splits, out_splits, perm, recv_counts.sum(0))
 
     def start(self, rows: torch.Tensor, plan: RoutePlan, direction: str) -> _Handle:
         """Launch one all-to-all of the plan outside autograd; ``wait()`` on the handle gives the rows.
@@ -248,7 +258,7 @@ class AllToAllDispatcher(_DispatcherBase):
         nodes = topk_idx_TK // (self.n_local * self.rpn)
         if nodes.numel():
             per_token = (nodes.sort(-1)[0].diff(dim=-1) != 0).sum(-1) + 1
-            self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(per_token.max()))
+            self.stats.note_nodes_per_token(per_token)
 
 
 class HierarchicalDispatcher(_DispatcherBase):
@@ -283,11 +293,11 @@ class HierarchicalDispatcher(_DispatcherBase):
         ids_PK = torch.where(on_node_PK, topk_idx_TK[pair_tok], -1)
         in1 = goes_NT.sum(1)
         out1 = exchange_counts(in1, self.inter)
-        in1, out1 = in1.tolist(), out1.tolist()
+        in1, out1 = torch.stack([in1, out1]).tolist()   # one host sync for both
         self.stats.calls += 1
         self.stats.cross_node_copies += sum(n for i, n in enumerate(in1) if i != self.node)
         if T:
-            self.stats.max_nodes_per_token = max(self.stats.max_nodes_per_token, int(goes_NT.sum(0).max()))
+            self.stats.note_nodes_per_token(goes_NT.sum(0))
         return NodePlan(T, pair_tok, pair_node, on_node_PK, ids_PK, in1, out1)
 
     def plan_forward(self, ids1) -> ForwardPlan:
@@ -296,10 +306,11 @@ class HierarchicalDispatcher(_DispatcherBase):
         copy_row, copy_k = (ids1 >= 0).nonzero(as_tuple=True)
         expert = ids1[copy_row, copy_k] - self.node * self.per_node        # expert index within this node
         order2 = torch.argsort(expert, stable=True)
-        send2 = torch.bincount(expert, minlength=self.per_node).view(self.rpn, self.n_local)
+        send2 = expert_counts(expert, self.per_node).view(self.rpn, self.n_local)
         recv2 = exchange_counts(send2, self.intra)
-        return ForwardPlan(copy_row, copy_k, order2, send2.sum(1).tolist(), recv2.sum(1).tolist(),
-                           _sort_source_major_to_expert_major(recv2), recv2.sum(0))
+        in2, out2 = torch.stack([send2.sum(1), recv2.sum(1)]).tolist()   # one host sync for both
+        return ForwardPlan(copy_row, copy_k, order2, in2, out2, _sort_source_major_to_expert_major(recv2, sum(out2)),
+                           recv2.sum(0))
 
     @staticmethod
     def forwarder_sum(y2, w1, fplan: ForwardPlan):

@@ -57,17 +57,16 @@ class PipelineExecutor:
         self.tapes, self._pending_w = {}, {}   # piecewise forwards (overlap); B -> W hand-over
         self.fb_pieces: list[tuple] = []   # overlapped F&Bs: (half, compute s, wait s, injected s) per piece
         self.sends = []
-        self.sums = {k: torch.zeros((), dtype=torch.float64) for k in ("lm", "mtp", "aux", "n")}
-        self.durations: dict[Kind, list[float]] = defaultdict(list)   # compute action wall times, this step
-        t_start = first = last = time.perf_counter()
+        # on the device: summing detached losses there keeps the host from waiting for each micro-batch
+        self.sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in ("lm", "mtp", "aux", "n")}
+        clock = _Clock(self.device)
         for a in self.actions:
-            t0 = time.perf_counter()
+            t0 = clock.now()
             getattr(self, "_" + a.kind.name.lower())(a)
             if a.is_compute:
-                last = time.perf_counter()
-                first = t0 if not self.durations else first
-                self.durations[a.kind].append(last - t0)
-        self.span_s = last - (first if self.durations else t_start)   # first compute start -> last compute end
+                clock.add(a.kind, t0, clock.now())
+        # compute action times and the span from the first compute start to the last compute end, this step
+        self.durations, self.span_s = clock.read()
         for work, _ in self.sends:
             work.wait()
         self.sends.clear()
@@ -90,10 +89,10 @@ class PipelineExecutor:
         self.outputs[(a.mb, a.stage)] = out
         self.aux[(a.mb, a.stage)] = aux
         if aux is not None:
-            self.sums["aux"] += float(aux.detach())
+            self.sums["aux"] += aux.detach().double()
         if parts is not None:
-            self.sums["lm"] += float(parts[0])
-            self.sums["mtp"] += float(parts[1])
+            self.sums["lm"] += parts[0].detach().double()
+            self.sums["mtp"] += parts[1].detach().double()
             self.sums["n"] += 1
 
     def _f(self, a: Action) -> None:
@@ -225,3 +224,35 @@ class PipelineExecutor:
         if st.is_last and hasattr(st, "_borrowed"):
             params += [p for p in st._borrowed[0].parameters() if p.requires_grad]
         return params
+
+
+class _Clock:
+    """Times of compute actions: host clock on CPU; CUDA events on the current stream on GPUs, where the
+    host only launches work (read once, after the step's last action: one synchronisation per step)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Kind, object, object]] = []
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def add(self, kind: Kind, start, end) -> None:
+        self.spans.append((kind, start, end))
+
+    def read(self) -> tuple[dict[Kind, list[float]], float]:
+        durations: dict[Kind, list[float]] = defaultdict(list)
+        if not self.spans:
+            return durations, 0.0
+        if self.cuda:
+            self.spans[-1][2].synchronize()
+            elapsed = lambda a, b: a.elapsed_time(b) / 1e3   # noqa: E731  (ms -> s)
+        else:
+            elapsed = lambda a, b: b - a   # noqa: E731
+        for kind, start, end in self.spans:
+            durations[kind].append(elapsed(start, end))
+        return durations, elapsed(self.spans[0][1], self.spans[-1][2])

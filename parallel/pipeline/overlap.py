@@ -46,7 +46,7 @@ from typing import Any, Callable, Generator
 import torch
 
 from models.layers import rope_cos_sin
-from models.moe import LocalDispatcher, MoE, sequence_balance_loss
+from models.moe import LocalDispatcher, MoE, expert_counts, sequence_balance_loss
 from models.transformer import _ce
 
 from ..ep.dispatch import AllToAllDispatcher, HierarchicalDispatcher, RoutePlan, unsort_and_weight
@@ -142,7 +142,7 @@ class _FlatRoute:
             flat = topk_idx_TK.flatten()
             R = flat.numel()
             plan = RoutePlan(torch.argsort(flat, stable=True), topk_idx_TK.shape[1], [R], [R], None,
-                             torch.bincount(flat, minlength=self.d.n_experts))
+                             expert_counts(flat, self.d.n_experts))
         else:
             plan = self.d.plan(topk_idx_TK)
         x_send = u_TD[plan.order // plan.K]
@@ -229,7 +229,7 @@ def _block_steps(blk, x: torch.Tensor, rope, carry: tuple, tape: Tape, aux_grad:
         if aux_grad:
             tape.loss(moe.aux_loss, aux_grad)
         with torch.no_grad():
-            moe.tokens_per_expert += torch.bincount(topk_idx_TK.flatten(), minlength=moe.n_experts)
+            moe.tokens_per_expert += expert_counts(topk_idx_TK, moe.n_experts)
     y_TD, (h, u_TD, *carry) = yield from route.steps(moe, u_TD, topk_idx_TK, w_TK, (h, u_TD, *carry), tape)
     if moe.shared_experts is not None:
         y_TD = y_TD + moe.shared_experts(u_TD)

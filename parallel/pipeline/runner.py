@@ -77,7 +77,7 @@ class PipelineRunner:
         for chunk, st in self.stages.items():
             holder[st.stage] = chunk
         owner = self._owners()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)   # NCCL reduces device tensors only
         for i, (ids, labels) in enumerate(batches):
             ids, labels = ids.to(self.device), labels.to(self.device)
             h = None

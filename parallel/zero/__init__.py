@@ -3,7 +3,9 @@
     backward(loss)      one micro-batch's backward (non-pipelined path; the pipeline executor runs its own)
     step(max_norm)      after all micro-batches (and the pipeline's replica sums): reduce gradients over
                         the data-parallel ranks, clip by the global norm, update, bring every rank's
-                        parameters up to date; returns the global gradient norm before clipping
+                        parameters up to date; returns the global gradient norm before clipping (a
+                        scalar tensor on the device, or a float: the caller reads it with the step's
+                        other numbers, so the step needs no extra host sync)
     zero_grad()
     state_dict() / load_state_dict(sd)
                         ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}}`` keyed by the
@@ -50,8 +52,7 @@ class Replicated:
             sync_gradients(self.model, self.dims)
             norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight)
         else:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                        max_norm if max_norm > 0 else float("inf")))
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))
         self.optimizer.step()
         return norm
 

@@ -252,10 +252,10 @@ class ZeroOptimizer:
 
     # ---- the update --------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, max_norm: float) -> float:
+    def step(self, max_norm: float) -> torch.Tensor:
         self._reduce_all()
         d = self.dims
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device if self.buckets else "cpu")
         for b in self.buckets:
             b.grad.mul_(1.0 / d.dp)   # sums over dp (experts: the all-to-all already summed over ep) -> mean
             for s in b.slots:
@@ -265,12 +265,11 @@ class ZeroOptimizer:
             dist.all_reduce(sq, group=d.group("dp"))   # dense pieces over dp; expert pieces over edp x ep
         if d.pp > 1:
             dist.all_reduce(sq, group=d.group("pp"))
-        norm = math.sqrt(float(sq))
+        norm = sq.sqrt()   # stays on the device: the clip factor below needs no host sync
         if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for b in self.buckets:
-                    b.grad.mul_(coef)
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for b in self.buckets:
+                b.grad.mul_(coef)
         self.n_steps += 1
         beta1, beta2 = self.betas
         bc1 = 1 - beta1 ** self.n_steps
