@@ -1,13 +1,17 @@
 """Shared helpers for the FP8 kernel benchmarks (GPU only): device check, timing, tables.
 
 Run from the repository root, e.g. ``python -m bench.fp8_gemm``. Every script refuses to run without
-CUDA (the Triton interpreter on CPU is for correctness tests; its timings mean nothing).
+CUDA (the Triton interpreter on CPU is for correctness tests; its timings mean nothing). The measuring
+functions (``measure`` in ``fp8_quant``, ``fp8_gemm``, ``fp8_grouped_gemm``) return plain rows so that
+``bench.gpu_suite`` reports the same figures the scripts print.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -29,23 +33,46 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+def on_cuda() -> bool:
+    return torch.device(DEVICE).type == "cuda"
+
+
+def sync() -> None:
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
 def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds per call (CUDA-event timed, L2 flushed between calls by triton.testing)."""
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    """Median milliseconds per call. CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed before
+    every call, ``warmup``/``rep`` in ms). Elsewhere (CPU smoke runs only): host clock, median of 3."""
+    if on_cuda():
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def first_line(e: BaseException, width: int = 120) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {(text[0] if text else '')[:width]}"
 
 
 def try_time(fn) -> tuple[float | None, str]:
     """``(ms, "")`` or ``(None, reason)`` when ``fn`` is unsupported on this device/torch build."""
     try:
         fn()
-        torch.cuda.synchronize()
+        sync()
         return time_ms(fn), ""
     except Exception as e:             # noqa: BLE001 - report any backend refusal and go on
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return None, first_line(e)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``‖got − want‖ / ‖want‖`` in FP32 (NaN if ``got`` holds NaN: never passes a ``<=`` check)."""
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
@@ -54,7 +81,12 @@ def tflops(flop: float, ms: float | None) -> str:
 
 
 def ratio(a: float | None, b: float | None) -> str:
+    """How many times faster ``a`` (ms) is than ``b`` (ms), as text."""
     return "n/a" if a is None or b is None else f"{b / a:.2f}x"
+
+
+def fmt(x: float | None, spec: str = ".0f", suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
@@ -68,6 +100,16 @@ def parse_config(text: str | None) -> dict | None:
     if not text:
         return None
     return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+
+
+def parse_shapes(items: list[str] | None, default: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """``["4096x7168x7168", ...]`` -> ``[(4096, 7168, 7168), ...]`` (``default`` if none given)."""
+    return [tuple(map(int, s.lower().split("x"))) for s in items] if items else list(default)
+
+
+def past(deadline: float | None) -> bool:
+    """True once ``time.monotonic()`` has passed ``deadline`` (None: never)."""
+    return deadline is not None and time.monotonic() > deadline
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

@@ -95,12 +95,28 @@ def _resolve_source(path):
     return "files", files, _files_fingerprint(files)
 
 
+class _TextColumn:
+    """A list of documents served like a one-column ``datasets.Dataset`` (``len``, ``ds[a:b]["text"]``): the
+    default corpus needs no ``datasets`` install (e.g. a GPU machine with only torch and tokenizers)."""
+
+    column_names = ["text"]
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, rows: slice) -> dict:
+        return {"text": self.texts[rows]}
+
+
 def _load_sources(kind, files, text_field, cache_dir: Path):
     """-> list of single-column datasets.Dataset. Plain text is split into documents at blank lines."""
-    import datasets
     if kind == "default":
         from pydoc_data.topics import topics
-        return [datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)]})]
+        return [_TextColumn([topics[k] for k in sorted(topics)])]
+    import datasets
     out = []
     if kind == "saved":
         ds = datasets.load_from_disk(files[0])

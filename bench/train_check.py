@@ -1,0 +1,266 @@
+"""Training-level GPU checks of ``bench.gpu_suite``: the tiny trainer end to end, and one training step of a
+depth-reduced ``v3_small``.
+
+Trainer runs (``tiny_runs``): ``python -m trainer +exp=tiny`` as subprocesses (Hydra is needed there; the
+suite puts the carried wheels on ``PYTHONPATH``), W&B disabled, no checkpoint, every run in its own Hydra
+run dir and one shared data cache. Per-step losses come from each run's ``metrics.jsonl`` and are compared
+with ``compare_losses`` against the CPU FP32 run.
+
+``models.build`` draws the weights on the CPU for every device, so the CUDA runs start from exactly the
+CPU run's weights. A CUDA FP32 run must then track the CPU FP32 run closely (``FP32_TOL``: only kernel
+rounding differs; TF32 is off by default). BF16/FP8 change the rounding, so they get ``LossTol``, which
+was calibrated conservatively, before the shared init, on runs with different init draws. Measured on
+CPU against an FP32 run, 40 tiny steps: three FP32
+runs that differ only in the init draw, BF16 autocast from the same init, BF16 from another init, and the
+FP8 emulation from the same init (29 steps): per-step losses differ by at most 2.3 %, the mean of the last
+10 steps by at most 1.6 %, step 1 by at most 0.12 %; over the 40 steps the loss falls by 21-24 %
+(6.97 -> ~5.4). ``LossTol`` allows more than twice that spread (step 1: 1 %, any step: 6 %, last-10 mean:
+3 %) and requires every run to have trained (last-10 mean at least 10 % under its first loss), so a broken
+FP8 path (no learning, divergence, NaN) fails while init and rounding noise pass.
+
+Training step (``measure_step``): ``models.build`` of the preset with fewer layers, ``parallel.fp8.apply_fp8``
+for FP8, BF16 autocast for both (as ``trainer/train.py`` does), AdamW through ``parallel.zero.Replicated``
+(the trainer's single-device optimizer), clip 1.0, expert-bias update; random tokens. Warm-up steps first
+(Triton compiles there), then the median of timed steps. MFU = tokens/s × FLOPs per token
+(``trainer.metrics.flops_per_token``) / peak (989 TFLOP/s dense BF16 for the H100, for FP8 too).
+No Hydra here: this half imports only models/, parallel/, kernels/ and trainer/metrics.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.metrics import PEAK_FLOPS
+
+H100_BF16_PEAK = dict(PEAK_FLOPS)["H100"]   # 989e12: dense BF16 tensor-core FLOP/s, the MFU basis (FP8 steps too)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------- loss checks
+@dataclass(frozen=True)
+class LossTol:
+    first_rel: float = 0.01     # step-1 loss (≈ ln V at init, whatever the init draw)
+    step_rel: float = 0.06      # any single step
+    tail_rel: float = 0.03      # mean over the last ``tail`` steps
+    tail: int = 10
+    min_drop: float = 0.10      # each run's last-``tail`` mean must be this fraction under its first loss
+
+
+# CUDA FP32 vs CPU FP32 from the same weights: one forward differs only by kernel rounding (~1e-6), and
+# 40 AdamW steps amplify it; 1e-4 at step 1 and 1 % per step still catch any real CUDA-path difference.
+FP32_TOL = LossTol(first_rel=1e-4, step_rel=0.01, tail_rel=0.005)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare_losses(ref: list[float], got: list[float], tol: LossTol = LossTol()) -> dict:
+    """Compare per-step losses ``got`` with the reference run ``ref``. Returns ``ok`` plus the figures
+    (``first_rel``, ``max_step_rel`` at ``max_step``, ``tail_rel``, ``drop`` of ``got``) and ``reasons``."""
+    out = {"steps": len(got), "first_rel": None, "max_step_rel": None, "max_step": None, "tail_rel": None,
+           "drop": None, "reasons": []}
+    reasons = out["reasons"]
+    if len(got) != len(ref):
+        reasons.append(f"{len(got)} steps logged, reference has {len(ref)}")
+    n = min(len(got), len(ref))
+    if n < tol.tail + 1:
+        reasons.append(f"only {n} comparable steps (need > {tol.tail})")
+        out["ok"] = False
+        return out
+    if not all(math.isfinite(v) for v in got[:n]):
+        reasons.append("non-finite loss")
+        out["ok"] = False
+        return out
+    rels = [_rel(g, r) for g, r in zip(got[:n], ref[:n])]
+    worst = max(range(n), key=rels.__getitem__)
+    tail_got, tail_ref = statistics.fmean(got[n - tol.tail:n]), statistics.fmean(ref[n - tol.tail:n])
+    out.update(first_rel=rels[0], max_step_rel=rels[worst], max_step=worst + 1, tail_rel=_rel(tail_got, tail_ref),
+               drop=1.0 - tail_got / got[0])
+    if out["first_rel"] > tol.first_rel:
+        reasons.append(f"step 1 differs by {out['first_rel']:.2%} (> {tol.first_rel:.0%})")
+    if out["max_step_rel"] > tol.step_rel:
+        reasons.append(f"step {worst + 1} differs by {out['max_step_rel']:.2%} (> {tol.step_rel:.0%})")
+    if out["tail_rel"] > tol.tail_rel:
+        reasons.append(f"mean of the last {tol.tail} steps differs by {out['tail_rel']:.2%} (> {tol.tail_rel:.0%})")
+    if out["drop"] < tol.min_drop:
+        reasons.append(f"loss fell only {out['drop']:.1%} (< {tol.min_drop:.0%}): not training")
+    out["ok"] = not reasons
+    return out
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The per-step rows of a trainer run (``metrics.jsonl``), in step order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def steady_tokens_per_s(rows: list[dict], skip: int = 5) -> float | None:
+    """Median tokens/s over the steps after the first ``skip`` (compilation and warm-up excluded)."""
+    vals = [r["tokens_per_s"] for r in rows[skip:] if r.get("tokens_per_s")]
+    return statistics.median(vals) if vals else None
+
+
+# ---------------------------------------------------------------------------------------- trainer runs
+@dataclass
+class TinyRun:
+    name: str          # "cuda bf16"
+    device: str
+    precision: str
+    run_dir: Path
+    returncode: int | None = None
+    seconds: float = 0.0
+    output_tail: str = ""
+    losses: list[float] = dataclasses.field(default_factory=list)
+    tokens_per_s: float | None = None
+    error: str = ""
+
+
+def tiny_overrides(steps: int, precision: str, device: str, run_dir: Path, cache_dir: Path) -> list[str]:
+    return ["+exp=tiny", f"train.max_steps={steps}", f"train.precision={precision}", f"train.device={device}",
+            "train.eval_batches=2", "logging.wandb.mode=disabled", "logging.progress=false",
+            "checkpoint.save_final=false", "checkpoint.resume=none", f"hydra.run.dir={run_dir}",
+            f"data.cache_dir={cache_dir}"]
+
+
+def run_tiny(run: TinyRun, steps: int, cache_dir: Path, env: dict, timeout_s: float, cpu_threads: int = 8) -> TinyRun:
+    """Run the tiny trainer once (subprocess); fills ``run`` from its exit code and ``metrics.jsonl``."""
+    cmd = [sys.executable, "-m", "trainer", *tiny_overrides(steps, run.precision, run.device, run.run_dir, cache_dir)]
+    env = dict(env, HYDRA_FULL_ERROR="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if run.device == "cpu":
+        env.update(OMP_NUM_THREADS=str(cpu_threads), MKL_NUM_THREADS=str(cpu_threads))
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        run.returncode, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        run.returncode = None
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        run.error = f"timed out after {timeout_s:.0f} s"
+    run.seconds = time.monotonic() - t0
+    run.output_tail = "\n".join(out.strip().splitlines()[-25:])
+    if run.returncode not in (0, None):
+        run.error = f"exit code {run.returncode}"
+    try:
+        rows = read_metrics(run.run_dir)
+        run.losses = [float(r["loss"]) for r in rows]
+        run.tokens_per_s = steady_tokens_per_s(rows)
+    except (OSError, ValueError, KeyError) as e:
+        run.error = run.error or f"no metrics: {type(e).__name__}: {e}"
+    return run
+
+
+# ---------------------------------------------------------------------------------------- one training step
+OPTIM = types.SimpleNamespace(lr=4.2e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)   # exp/v3_small
+
+
+def reduced_config(preset: str = "v3_small", layers: int = 4):
+    """The model preset with ``n_layers`` reduced (first_k_dense and MTP kept)."""
+    import models
+    cfg = models.preset(preset)
+    return dataclasses.replace(cfg, n_layers=layers)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEAK) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak."""
+    return tokens_per_s * flops_per_token / peak
+
+
+def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
+                 seed: int = 0) -> dict:
+    """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
+    MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
+    last loss."""
+    import torch
+
+    import models
+    from parallel.dims import ParallelDims
+    from parallel.zero import Replicated
+    from trainer.metrics import flops_per_token
+
+    dev = torch.device(device)
+    torch.manual_seed(seed)
+    model = models.build(cfg, device=dev, seed=seed)
+    if precision == "fp8":
+        from parallel.fp8 import apply_fp8
+        apply_fp8(model)
+    elif precision != "bf16":
+        raise ValueError(f"precision {precision!r}: bf16 or fp8")
+    model.train()
+    opt = Replicated(model, OPTIM, ParallelDims(world_size=1), None)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+
+    def step() -> float:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            out = model.compute_loss(inputs, labels, mtp_weight=0.3, aux_alpha=1e-4)
+        opt.backward(out.loss)
+        opt.step(1.0)
+        opt.zero_grad()
+        with torch.no_grad():
+            for moe in model.moe_layers():
+                moe.update_bias(moe.tokens_per_expert.clone(), 1e-3)
+                moe.tokens_per_expert.zero_()
+        return float(out.loss.detach())
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    for _ in range(warmup):
+        loss = step()
+    sync()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    tokens = batch * seq
+    fpt = flops_per_token(cfg, seq).per_token
+    tps = tokens / step_s
+    peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    del model, opt, ids, inputs, labels
+    return {"precision": precision, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
+            "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
+            "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss)}
+
+
+def measure_step_fitting(cfg, precision: str, batch: int, seq: int, device: str = "cuda", min_batch: int = 1,
+                         **kw) -> dict:
+    """``measure_step``, halving ``batch`` after a CUDA out-of-memory error (noted in ``oom_retries``)."""
+    import torch
+    tries = []
+    while True:
+        try:
+            res = measure_step(cfg, precision, batch, seq, device, **kw)
+            res["oom_retries"] = tries
+            return res
+        except torch.cuda.OutOfMemoryError:
+            tries.append(batch)
+            if device != "cpu":
+                torch.cuda.empty_cache()
+            if batch // 2 < min_batch:
+                raise
+            batch //= 2
+
+
+def env_with_path(extra: str | None) -> dict:
+    """``os.environ`` with ``extra`` prepended to PYTHONPATH and the repo root after it."""
+    env = dict(os.environ)
+    parts = [p for p in (extra, str(ROOT), env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
