@@ -339,13 +339,19 @@ def part_gemm(ctx: Ctx, part: Part) -> None:
                    "fp8/bf16 and fp8/_scaled_mm are speed-ups of the Triton kernel (> 1: faster).",
                    f"_scaled_mm baselines used: {', '.join(kinds) or 'none'} (row-wise = other numerics, a speed "
                    f"reference only; a blockwise call is used only when it matches the reference)."]
-    heads = []
-    for lay in fp8_gemm.LAYOUTS:
-        v = [r["vs_bf16"] for r in large if r["layout"] == lay and r.get("vs_bf16")]
-        if v:
-            heads.append(f"{lay} {min(v):.2f}x")
+    heads = _min_ratios(large, "layout", fp8_gemm.LAYOUTS)
     part.headline = ("large shapes, min fp8/bf16: " + ", ".join(heads)) if heads else "no timings"
     _skipped_note(part, rows)
+
+
+def _min_ratios(rows: list[dict], field: str, values) -> list[str]:
+    """``"<value> <min fp8/bf16>x"`` for each ``value`` of ``row[field]`` that has timings."""
+    heads = []
+    for value in values:
+        v = [r["vs_bf16"] for r in rows if r[field] == value and r.get("vs_bf16")]
+        if v:
+            heads.append(f"{value} {min(v):.2f}x")
+    return heads
 
 
 def part_grouped(ctx: Ctx, part: Part) -> None:
@@ -364,11 +370,7 @@ def part_grouped(ctx: Ctx, part: Part) -> None:
                            f"{n_ok} of {len(done)}", bool(done) and n_ok == len(done), "check"))
     part.notes.append(f"R = {kw['tokens']} routed token copies per rank, D = {kw['dim']}, F = {kw['inter']}; "
                       f"ragged expert counts (0.5x-1.5x of the mean, multiples of 16). TFLOP/s = 2·R·N·K / median time.")
-    heads = []
-    for p in fg.PASSES:
-        v = [r["vs_bf16"] for r in done if r["pass"] == p and r.get("vs_bf16")]
-        if v:
-            heads.append(f"{p} {min(v):.2f}x")
+    heads = _min_ratios(done, "pass", fg.PASSES)
     part.headline = ("min fp8/bf16: " + ", ".join(heads)) if heads else "no timings"
     _skipped_note(part, rows)
 
