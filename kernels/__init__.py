@@ -10,6 +10,10 @@ Two interchangeable backends expose the same functions (see ``reference.py`` for
 
 ``get_ops("auto", device)`` picks ``triton`` on CUDA and ``emulation`` elsewhere. Importing this
 package does not import triton; ``get_ops("triton")`` does.
+
+``hopper_gate.py`` compiles every kernel for Hopper (sm_90a) without a GPU, at the specialisations of its
+production launches, and checks registers, spills, shared memory, wgmma and pipelined (TMA) loads:
+``python -m kernels.hopper_gate`` prints the table; ``tests/test_hopper_gate.py`` asserts it.
 """
 from __future__ import annotations
 

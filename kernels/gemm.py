@@ -11,8 +11,22 @@ Layouts: ``a``, ``b`` and the scales are logical views with arbitrary strides. T
 - Fprop ``y = x·Wᵀ``:   a = x (``quant_act``), b = W (``quant_weight``), 128×128 scales;
 - Dgrad ``dx = dy·W``:  a = dy (``quant_act``), b = Wᵀ (``quant_weight(transpose=True)``), scales ``s.mT``;
 - Wgrad ``dW = dyᵀ·x``: a = dyᵀ, b = xᵀ (both ``quant_act_t``: 128×1 tiles along tokens), per-row scales.
-All three feed K-contiguous operands (Hopper's FP8 wgmma reads both operands K-major; other strides work
-but disable Triton's pipelining). Tests also run the strided views (``W.mT``, ``dy.T``) of each layout.
+All three feed K-contiguous operands (Hopper's FP8 wgmma reads both operands K-major).
+
+Two load paths, one kernel (constexpr ``TMA``), chosen per call by ``tma_ok``:
+- TMA (``GPU_CONFIG``): when both operands are K-contiguous with 16-byte-aligned base and row strides (all
+  production launches), the A/B tiles come in as bulk tensor copies from in-kernel tensor descriptors
+  (zero fill past M, N, K: no masks), and the K loop is warp-specialised (``tl.range(warp_specialize=True)``):
+  on Hopper Triton splits the 128×128 tile into a producer warp group issuing the TMA copies into a
+  ``num_stages``-deep ring and two consumer warp groups of 64 rows each (``num_warps=4`` per group, 12
+  warps in all, ``setmaxnreg`` moving registers to the consumers). Each consumer waits for its wgmma and
+  promotes it, but the two consumers run independently, so one promotes while the other's wgmma runs —
+  the promotion no longer stalls the tensor cores for the whole CTA. Device-side descriptors need a
+  global scratch allocation: ``_set_scratch_allocator`` registers a torch allocator before each launch.
+- Pointers (``POINTER_CONFIG``): any other strides (transposed views, K not a multiple of 16). Masked
+  loads; pipelined with cp.async when K-contiguous and 16-byte aligned, else plain loads.
+Both paths run under the CPU interpreter (which checks the descriptor alignment rules like the GPU);
+``kernels/hopper_gate.py`` compiles the production launches for sm_90a and checks what they became.
 """
 from __future__ import annotations
 
@@ -24,7 +38,12 @@ from . import interpreting
 from .reference import FP8_DTYPE, TILE, _b_group, cdiv
 
 _TILE = tl.constexpr(TILE)
-GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+# Production launch configs (Hopper). TMA: 4 warps per warp group; warp specialisation adds a producer group
+# and splits the tile over two consumer groups (12 warps). Pointers: two warp groups of 64 rows in lockstep.
+GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
+              "TMA": True, "WARP_SPECIALIZE": True}
+POINTER_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
+                  "TMA": False, "WARP_SPECIALIZE": False}
 
 
 @triton.jit
@@ -42,7 +61,8 @@ def round_output(acc, c_ptr):
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                  stride_sam, stride_sak, stride_sbn, stride_sbk,
-                 SB_GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                 SB_GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                 TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     # Grouped program order (GROUP_M row tiles share their B tiles in L2).
     pid = tl.program_id(0)
     grid_m, grid_n = (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N
@@ -55,20 +75,26 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M      # wrap: loads stay in bounds, store masks
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, _TILE)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     sa_ptrs = sa_ptr + offs_m * stride_sam
     sb_ptrs = sb_ptr + (offs_n // SB_GROUP_N) * stride_sbn
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, _TILE])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, _TILE])
+    else:
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for kt in range(0, (K + _TILE - 1) // _TILE):
-        k_left = K - kt * _TILE
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+    for kt in tl.range(0, (K + _TILE - 1) // _TILE, warp_specialize=WARP_SPECIALIZE):
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, kt * _TILE])
+            b = b_desc.load([pid_n * BLOCK_N, kt * _TILE]).T
+        else:
+            k_left = K - kt * _TILE
+            a = tl.load(a_ptrs + kt * _TILE * stride_ak, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs + kt * _TILE * stride_bk, mask=offs_k[:, None] < k_left, other=0.0)
         sa = tl.load(sa_ptrs + kt * stride_sak)
         sb = tl.load(sb_ptrs + kt * stride_sbk)
         acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]   # FP32 promotion per 128 of K
-        a_ptrs += _TILE * stride_ak
-        b_ptrs += _TILE * stride_bk
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,15 +103,39 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
              round_output(acc, c_ptr), mask=mask)
 
 
-def pick_config(M: int, N: int, config: dict | None = None) -> dict:
-    """Tile sizes: ``config`` if given; the interpreter gets one or few big programs (~10-20 ms each)."""
-    if config is not None:
-        return {**GPU_CONFIG, **config}
+def tma_ok(*operands: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address every operand: last dim contiguous, 16-byte-aligned base and
+    strides (the hardware's rules; the interpreter checks them too)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in operands)
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_scratch_allocator(cfg: dict) -> None:
+    """In-kernel tensor descriptors live in a global scratch buffer that Triton asks an allocator for at
+    launch. Set per call: Triton keeps the allocator in a ContextVar, and autograd runs backward in
+    another thread."""
+    if cfg["TMA"] and not interpreting():
+        triton.set_allocator(_scratch)
+
+
+def pick_config(M: int, N: int, tma: bool, config: dict | None = None) -> dict:
+    """Launch config: ``GPU_CONFIG`` when ``tma`` (the operands allow it) else ``POINTER_CONFIG``, updated by
+    ``config`` (``{"TMA": False}`` forces the pointer path; TMA is never forced onto operands it can't read).
+    The interpreter gets one or few big programs (~10-20 ms each)."""
+    config = dict(config or {})
+    tma = tma and config.pop("TMA", True)
     if interpreting():
         def block(n):
             return min(256, max(16, triton.next_power_of_2(n)))
-        return {"BLOCK_M": block(M), "BLOCK_N": block(N), "GROUP_M": 1, "num_warps": 4, "num_stages": 1}
-    return dict(GPU_CONFIG)
+        base = {"BLOCK_M": block(M), "BLOCK_N": block(N), "GROUP_M": 1, "num_warps": 4, "num_stages": 1,
+                "WARP_SPECIALIZE": False}
+    else:
+        base = GPU_CONFIG if tma else POINTER_CONFIG
+    return {**base, **config, "TMA": tma}
 
 
 def check_operands(a, sa, b, sb, out_dtype) -> None:
@@ -107,7 +157,8 @@ def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0 or K == 0:
         return c.zero_()
-    cfg = pick_config(M, N, config)
+    cfg = pick_config(M, N, tma_ok(a, b), config)
+    _set_scratch_allocator(cfg)
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _gemm_kernel[grid](a, b, c, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                        c.stride(0), c.stride(1), sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),

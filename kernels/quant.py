@@ -6,8 +6,11 @@ Format: E4M3 (``torch.float8_e4m3fn``), saturating at ±448, round-to-nearest-ev
 
 Granularity and layout (T = 128):
 - ``quant_act(x [M,K])``            1×T tiles along K (row-major in, row-major out), ``s [M, ⌈K/T⌉]``.
-- ``quant_act_t(x [R,C], tpe)``     T×1 tiles (T rows of one column) restarting at each expert's first
-  row; output transposed ``qT [C,R]`` (K-major for the Wgrad GEMM), ``sT [C, ⌈R/T⌉+E-1]``.
+- ``quant_act_t(x [R,C], tpe)``     T×1 tiles (T rows of one column); output transposed (K-major for the
+  Wgrad GEMM). Dense (``tpe=None``): ``qT [C,R]`` (rows 16-byte aligned: stride ``R`` rounded up to 16, so
+  TMA can read it), ``sT [C, ⌈R/T⌉]``. Grouped: tiles restart at each expert's first row and ``qT`` is in
+  tile space, ``[C, n·T]`` with tile t in columns ``[t·T, t·T+T)``, zero-padded; ``sT [C, n]``,
+  ``n = ⌈R/T⌉+E-1`` (``reference.py``).
 - ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous.
 - ``cast_to_e4m3(x)``               the bare saturating RNE cast (tests the rounding exhaustively).
 
@@ -80,18 +83,22 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
 
 
 @triton.jit
-def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, stride_xr, stride_qc, stride_sc,
+def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
                         BLOCK_C: tl.constexpr, POW2: tl.constexpr):
+    # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense
+    # (Q_COLS = R masks the last tile), the zero-padded tile slot in tile space (Q_COLS = n·T, no mask).
     t = tl.program_id(0)
     rs = tl.load(row_start_ptr + t)
     re = tl.load(row_end_ptr + t)
     offs_r = rs + tl.arange(0, _TILE)
+    cols = t * _TILE + tl.arange(0, _TILE)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (offs_r[:, None] < re) & (offs_c[None, :] < C)
     x = tl.load(x_ptr + offs_r[:, None] * stride_xr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_from_amax(_amax(x, 0), POW2)                      # [BLOCK_C]
     q = _round_to_e4m3(tl.math.div_rn(x, s[None, :]))
-    tl.store(q_ptr + offs_c[None, :] * stride_qc + offs_r[:, None], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + offs_c[None, :] * stride_qc + cols[:, None], q.to(q_ptr.dtype.element_ty),
+             mask=(cols[:, None] < Q_COLS) & (offs_c[None, :] < C))
     tl.store(s_ptr + offs_c * stride_sc + t, s, mask=offs_c < C)
 
 
@@ -149,18 +156,24 @@ def quant_act(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.
 
 def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R,C]`` -> ``qT [C,R]`` e4m3, ``sT [C,⌈R/128⌉+E-1]`` fp32: 128×1 tiles restarting per expert."""
+    """``x [R,C]`` -> ``qT`` e4m3, ``sT`` fp32 in 128×1 tiles: ``qT [C,R]``, ``sT [C,⌈R/128⌉]`` without
+    ``tokens_per_expert``; with it, tiles restart per expert and ``qT [C,n·128]`` is in tile space, ``sT [C,n]``."""
     _check_input(x, (2,))
     R, C = x.shape
     counts = segments(tokens_per_expert, R, x.device)
     tiles = segment_tiles(counts, R, TILE)
     n = tiles["row_start"].numel()
-    q = torch.empty((C, R), dtype=FP8_DTYPE, device=x.device)
+    if tokens_per_expert is None:       # rows of qT 16-byte aligned (TMA's rule), whatever R is
+        cols = R
+        q = torch.empty((C, -(-R // 16) * 16), dtype=FP8_DTYPE, device=x.device)[:, :R]
+    else:
+        cols = n * TILE
+        q = torch.empty((C, cols), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((C, n), dtype=torch.float32, device=x.device)
     if n and C:
         block_c = _rows_block(C, 64)
         _quant_act_t_kernel[(n, cdiv(C, block_c))](
-            x, q, s, tiles["row_start"], tiles["row_end"], C, x.stride(0), q.stride(0), s.stride(0),
+            x, q, s, tiles["row_start"], tiles["row_end"], C, cols, x.stride(0), q.stride(0), s.stride(0),
             BLOCK_C=block_c, POW2=pow2, num_warps=4)
     return q, s
 

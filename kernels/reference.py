@@ -10,8 +10,11 @@ Scaling granularity (T = 128 elements):
   ``q [M,K]``, ``s [M, ⌈K/T⌉]``.
 - ``quant_act_t``  the same values tiled T×1 (T tokens × 1 channel) for Wgrad, written transposed so the
   contraction dim (tokens) is contiguous: ``x [R,C]`` -> ``qT [C,R]``, ``sT [C, n_tiles]``. With
-  ``tokens_per_expert`` the tiles restart at every expert's first row (a tile never spans two experts);
-  ``n_tiles = ⌈R/T⌉ + E - 1`` (an upper bound, unused tiles get the all-zero scale).
+  ``tokens_per_expert`` the tiles restart at every expert's first row (a tile never spans two experts),
+  ``n_tiles = ⌈R/T⌉ + E - 1`` (an upper bound, unused tiles get the all-zero scale), and ``qT`` is in
+  *tile space*: ``[C, n_tiles·T]``, tile t in columns ``[t·T, t·T + T)``, zero past its expert's last token
+  (``act_t_columns`` maps tokens to columns). Every tile then starts 128-byte aligned, so the grouped Wgrad
+  loads whole tiles (TMA boxes) with no masks.
 - ``quant_weight`` weights, T×T blocks over the last two dims: ``w [...,N,K]`` -> ``q``, ``s [...,⌈N/T⌉,⌈K/T⌉]``.
 
 GEMMs (FP32 accumulation; output BF16/FP32), operands are logical views, any strides:
@@ -19,8 +22,9 @@ GEMMs (FP32 accumulation; output BF16/FP32), operands are logical views, any str
   ``[⌈N/T⌉,⌈K/T⌉]`` (Fprop: b = W; Dgrad: b = Wᵀ) or per-row ``[N,⌈K/T⌉]`` (Wgrad: b = xᵀ from ``quant_act_t``).
 - ``grouped_gemm(a [R,K], sa, b [E,N,K], sb [E,⌈N/T⌉,⌈K/T⌉], tokens_per_expert, out_dtype)``: rows of
   expert e (rows sorted by expert) times ``b[e]ᵀ`` (routed-expert Fprop and Dgrad).
-- ``grouped_wgrad(aT [N,R], sa [N,n_tiles], bT [K,R], sb [K,n_tiles], tokens_per_expert) -> [E,N,K]``:
-  per expert, ``aT[:, seg_e] · bT[:, seg_e]ᵀ`` with the segment-aligned T×1 scales of ``quant_act_t``.
+- ``grouped_wgrad(aT [N,n_tiles·T], sa [N,n_tiles], bT [K,n_tiles·T], sb [K,n_tiles], tokens_per_expert)
+  -> [E,N,K]``: per expert, the sum over its tiles of ``aT_tile · bT_tileᵀ`` with the T×1 scales, operands in
+  the tile space of ``quant_act_t(x, tokens_per_expert)``.
 """
 from __future__ import annotations
 
@@ -111,7 +115,7 @@ def segment_tiles(counts: torch.Tensor, rows: int, block: int) -> dict[str, torc
 
     Returns int32 tensors: per tile ``row_start``, ``row_end`` (empty tiles: equal) and ``expert``
     (``n = ⌈rows/block⌉ + E - 1`` tiles, an upper bound); per expert ``seg_start``, ``seg_end``,
-    ``tile_start`` (index of its first tile).
+    ``tile_start``, ``tile_end`` (its tiles are ``[tile_start, tile_end)``).
     """
     E = counts.numel()
     seg_end = counts.cumsum(0)
@@ -126,7 +130,8 @@ def segment_tiles(counts: torch.Tensor, rows: int, block: int) -> dict[str, torc
     row_end = torch.where(t < tile_end[-1], torch.minimum(row_start + block, seg_end[e]), row_start)
     i32 = torch.int32
     return {"row_start": row_start.to(i32), "row_end": row_end.to(i32), "expert": e.to(i32),
-            "seg_start": seg_start.to(i32), "seg_end": seg_end.to(i32), "tile_start": tile_start.to(i32)}
+            "seg_start": seg_start.to(i32), "seg_end": seg_end.to(i32), "tile_start": tile_start.to(i32),
+            "tile_end": tile_end.to(i32)}
 
 
 def row_tiles(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,21 +145,31 @@ def row_tiles(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tens
     return tile_start[e] + local // TILE, local % TILE
 
 
+def act_t_columns(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
+    """Column of each token (row of ``x``) in the tile-space ``qT`` of ``quant_act_t(x, tokens_per_expert)``."""
+    tile, pos = row_tiles(segments(tokens_per_expert, rows, tokens_per_expert.device), rows)
+    return tile * TILE + pos
+
+
+def act_t_tiles(tokens_per_expert: torch.Tensor, rows: int) -> int:
+    """Number of 128-token tiles of ``quant_act_t(x [rows, C], tokens_per_expert)``: ``⌈rows/128⌉ + E - 1``."""
+    return max(cdiv(rows, TILE) + tokens_per_expert.numel() - 1, 0)
+
+
 def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """128×1 tiles (128 rows × 1 column, restarting at each expert), transposed output:
-    ``x [R,C]`` -> ``(qT [C,R] e4m3, sT [C, ⌈R/128⌉+E-1] fp32)``."""
+    """128×1 tiles (128 rows × 1 column), transposed output: ``x [R,C]`` -> ``(qT, sT)`` e4m3/fp32.
+    Without ``tokens_per_expert``: ``qT [C,R]``, ``sT [C, ⌈R/128⌉]``. With it, tiles restart at each expert and
+    ``qT [C, n·128]`` is in tile space (module docstring), ``sT [C, n]``, ``n = ⌈R/128⌉ + E - 1``."""
     assert x.dim() == 2, x.shape
     R, C = x.shape
-    if tokens_per_expert is None or tokens_per_expert.numel() == 1:     # one segment: 1×128 tiles of xᵀ
+    if tokens_per_expert is None:                                       # one segment: 1×128 tiles of xᵀ
         return quant_act(x.t(), pow2)
-    counts = segments(tokens_per_expert, R, x.device)
-    n = max(cdiv(R, TILE) + counts.numel() - 1, 0)
-    tile, pos = row_tiles(counts, R)
-    dest = tile * TILE + pos
+    n = act_t_tiles(tokens_per_expert, R)
+    dest = act_t_columns(tokens_per_expert.to(x.device), R)
     xp = x.new_zeros(n * TILE, C, dtype=torch.float32).index_copy_(0, dest, x.float()).view(n, TILE, C)
     s = scale_from_amax(xp.abs().amax(1), pow2)                                 # [n, C]
-    q = cast_to_e4m3(xp / s[:, None, :]).view(n * TILE, C)[dest]
+    q = cast_to_e4m3(xp / s[:, None, :]).view(n * TILE, C)
     return q.t().contiguous(), s.t().contiguous()
 
 
@@ -192,12 +207,14 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
 
 def grouped_wgrad(aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torch.Tensor,
                   tokens_per_expert: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``out[e] = aT[:, seg_e] · bT[:, seg_e]ᵀ`` -> ``[E,N,K]``; operands from ``quant_act_t``."""
-    assert aT.dtype == bT.dtype == FP8_DTYPE and aT.shape[1] == bT.shape[1]
-    R = aT.shape[1]
-    counts = segments(tokens_per_expert, R, aT.device)
-    tile, _ = row_tiles(counts, R)
+    """``out[e] = Σ_{tiles t of e} aT_t · bT_tᵀ`` -> ``[E,N,K]``; tile-space operands from ``quant_act_t``."""
+    assert aT.dtype == bT.dtype == FP8_DTYPE and aT.shape[1] == bT.shape[1] == sa.shape[1] * TILE
+    (N, width), K, n = aT.shape, bT.shape[0], sa.shape[1]
+    tiles = (tokens_per_expert.to(aT.device, torch.int64) + TILE - 1) // TILE
     with torch.autocast(aT.device.type, enabled=False):
-        xa, xb = aT.float() * sa.float()[:, tile], bT.float() * sb.float()[:, tile]
-        outs = [pa @ pb.t() for pa, pb in zip(xa.split(counts.tolist(), 1), xb.split(counts.tolist(), 1))]
+        xa = (aT.float().view(N, n, TILE) * sa.float()[:, :, None]).view(N, width)
+        xb = (bT.float().view(K, n, TILE) * sb.float()[:, :, None]).view(K, width)
+        cols = (tiles * TILE).tolist()
+        used = sum(cols)
+        outs = [pa @ pb.t() for pa, pb in zip(xa[:, :used].split(cols, 1), xb[:, :used].split(cols, 1))]
     return torch.stack(outs).to(out_dtype)

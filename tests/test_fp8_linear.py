@@ -201,17 +201,24 @@ def train_curve(fp8: bool, steps: int, corpus, seq_len=32, batch=4, seed=0) -> t
 
 @pytest.mark.slow
 def test_fp8_emulation_tracks_bf16_over_200_steps(tmp_path):
-    """Measured (4 x 32 tokens per step): final val loss bf16 vs fp8 within ~0.5 %; see docs/fp8.md."""
+    """FP8 vs BF16, means over three seeds (one seed's gap is dominated by the run-to-run spread: BF16 alone
+    ranges 4.93-5.04 in validation loss over seeds 0-2). Measured (4 x 32 tokens per step): validation
+    +0.24 %, training loss of steps 181-200 -0.07 %; see docs/fp8.md."""
     from trainer.data import load_corpus
     cfg = types.SimpleNamespace(path=None, tokenizer=None, text_field="text", val_fraction=0.05,
                                 cache_dir=str(tmp_path))
     corpus = load_corpus(cfg, 1024)
-    bf16, val_bf16 = train_curve(False, 200, corpus)
-    fp8, val_fp8 = train_curve(True, 200, corpus)
     mean = lambda xs: sum(xs) / len(xs)                             # noqa: E731
-    print({s: (round(mean(bf16[s - 10:s]), 4), round(mean(fp8[s - 10:s]), 4)) for s in (10, 50, 100, 150, 200)})
-    print(f"train loss, mean of steps 181-200: bf16 {mean(bf16[-20:]):.4f} fp8 {mean(fp8[-20:]):.4f}; "
-          f"val loss: bf16 {val_bf16:.4f} fp8 {val_fp8:.4f} ({(val_fp8 - val_bf16) / val_bf16:+.3%})")
-    assert bf16[0] > 6.5 and val_bf16 < 6.0                         # it learned (ln 1024 = 6.93)
+    runs = {(fp8, seed): train_curve(fp8, 200, corpus, seed=seed) for fp8 in (False, True) for seed in (0, 1, 2)}
+    tail = {k: mean(losses[-20:]) for k, (losses, _) in runs.items()}
+    val = {k: v for k, (_, v) in runs.items()}
+    for seed in (0, 1, 2):
+        print(f"seed {seed}: train loss, mean of steps 181-200: bf16 {tail[False, seed]:.4f} fp8 {tail[True, seed]:.4f}; "
+              f"val loss: bf16 {val[False, seed]:.4f} fp8 {val[True, seed]:.4f}")
+    val_bf16, val_fp8 = (mean([val[f, s] for s in (0, 1, 2)]) for f in (False, True))
+    tail_bf16, tail_fp8 = (mean([tail[f, s] for s in (0, 1, 2)]) for f in (False, True))
+    print(f"means: val {val_bf16:.4f} vs {val_fp8:.4f} ({(val_fp8 - val_bf16) / val_bf16:+.3%}), "
+          f"train {tail_bf16:.4f} vs {tail_fp8:.4f} ({(tail_fp8 - tail_bf16) / tail_bf16:+.3%})")
+    assert all(runs[False, s][0][0] > 6.5 for s in (0, 1, 2)) and val_bf16 < 6.0   # it learned (ln 1024 = 6.93)
     assert abs(val_fp8 - val_bf16) / val_bf16 < 0.01
-    assert abs(mean(fp8[-20:]) - mean(bf16[-20:])) / mean(bf16[-20:]) < 0.01
+    assert abs(tail_fp8 - tail_bf16) / tail_bf16 < 0.01
