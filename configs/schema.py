@@ -1,11 +1,12 @@
 """Typed configuration schema, registered in Hydra's ConfigStore as ``schema``.
 
 YAML files in the groups beside this file only fill values; every key must exist here.
-``validate(cfg, world_size)`` checks cross-field rules and raises ``ConfigError`` naming the key,
-before anything is built.
+``validate(cfg, world_size)`` checks every key's range (NaN and infinities included) and the cross-field
+rules, and raises a one-line ``ConfigError`` naming the key, before anything is built.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -17,7 +18,7 @@ from models.config import ConfigError, ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
-SCHEDULES = ("none", "1f1b", "dualpipe", "dualpipev")
+SCHEDULES = ("none", "1f1b", "zb1p", "dualpipe", "dualpipev")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -25,13 +26,13 @@ WANDB_MODES = ("offline", "online", "disabled")
 class ParallelConfig:
     pp: int = 1                 # pipeline-parallel size
     ep: int = 1                 # expert-parallel size (inside the data-parallel ranks)
-    schedule: str = "none"      # pipeline schedule: none | 1f1b | dualpipe | dualpipev
+    schedule: str = "none"      # pipeline schedule: none | 1f1b | zb1p | dualpipe | dualpipev
     ranks_per_node: int = 1     # GPUs per node; routing groups map to the nodes of the EP group
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
     zero_backend: str = "native"  # native (parallel/zero) | deepspeed (DeepSpeed's ZeRO-1/2 optimizer; pp = 1)
     zero_bucket_mb: float = 32.0  # gradient reduce-scatter / parameter all-gather bucket size (native)
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
-    timeout_s: int = 600        # collective timeout; a hung peer raises an error naming rank and layer
+    timeout_s: int = 600        # collective timeout (s, > 0); a hung peer raises an error naming rank and layer
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
     overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls (docs/pipeline.md)
     ep_latency_ms: float = 0.0  # injected latency per expert all-to-all (for overlap measurements)
@@ -45,9 +46,9 @@ class OptimConfig:
     warmup_steps: int = 20      # linear warmup from 0
     decay: str = "cosine"       # cosine | constant (after warmup)
     weight_decay: float = 0.1   # applied to matrices and embeddings, not to norms
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9          # AdamW first-moment decay, in [0, 1)
+    beta2: float = 0.95         # AdamW second-moment decay, in [0, 1)
+    eps: float = 1e-8           # AdamW denominator term, > 0
     grad_clip: float = 1.0      # max global grad norm; 0 disables clipping
     moment_dtype: str = "auto"  # AdamW moments: auto (bf16 with parallel.zero >= 1, else fp32) | bf16 | fp32
 
@@ -85,6 +86,7 @@ class TrainConfig:
     bias_update_speed: Piecewise = field(default_factory=lambda: Piecewise(value=0.001))
     # MTP loss weight lambda (V3: 0.3 for the first 10T tokens, then 0.1).
     mtp_loss_weight: Piecewise = field(default_factory=lambda: Piecewise(value=0.3))
+    max_skipped_steps: int = 3        # consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops with an error
 
 
 @dataclass
@@ -93,7 +95,7 @@ class DataConfig:
     tokenizer: Optional[str] = None   # None: byte-level BPE trained on first use (vocab = model.vocab_size); else HF tokenizer dir
     seq_len: int = 128
     text_field: str = "text"
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05        # share of documents held out for validation, in [0, 1); 0 = no validation
     cache_dir: str = "~/.cache/dsv3-train"
 
 
@@ -157,9 +159,93 @@ def moment_dtype(cfg: Config) -> str:
     return "bf16" if p.zero >= 1 and p.zero_backend == "native" else "fp32"
 
 
+def _num(v: Any) -> str:
+    """A value as one would type it on the command line: ``0`` for 0.0, ``nan``, ``1e-08``."""
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e15:
+        return str(int(v))
+    return str(v)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _need(key: str, value: Any, ok: bool, rule: str) -> None:
+    """``ok`` is the rule evaluated on ``value``; written positively so that NaN (every comparison False) fails."""
+    if not ok:
+        raise ConfigError(f"{key}: must be {rule}, got {_num(value)}")
+
+
+def _check_piecewise(key: str, pw: Piecewise) -> None:
+    for part in ("value", "then"):
+        v = getattr(pw, part)
+        if v is not None:
+            _need(f"{key}.{part}", v, _finite(v) and v >= 0, "finite and >= 0")
+    for part in ("after_steps", "after_tokens"):
+        v = getattr(pw, part)
+        if v is not None:
+            _need(f"{key}.{part}", v, v >= 0, ">= 0 or null")
+    switch = pw.after_steps is not None or pw.after_tokens is not None
+    if pw.then is not None and not switch:
+        raise ConfigError(f"{key}.then: set to {_num(pw.then)} but {key}.after_steps and {key}.after_tokens are "
+                          "both null, so it never applies; set one of them (or then=null)")
+    if pw.then is None and switch:
+        raise ConfigError(f"{key}.then: null, so {key}.after_steps / after_tokens switch to nothing; "
+                          "set then (the value after the switch) or clear them")
+
+
+def _check_values(cfg: Config) -> None:
+    """Per-key ranges: everything that would otherwise fail (or silently train on NaN) after the build."""
+    t, p, o, d, m, c = cfg.train, cfg.parallel, cfg.optim, cfg.data, cfg.model, cfg.checkpoint
+    # model keys that ModelConfig.validate leaves open and that turn the loss into NaN or fail in init
+    for key in ("norm_eps", "init_std", "rope_theta", "route_scale"):
+        _need(f"model.{key}", getattr(m, key), _finite(getattr(m, key)) and getattr(m, key) > 0, "finite and > 0")
+    _need("model.rope_factor", m.rope_factor, _finite(m.rope_factor) and m.rope_factor >= 1,
+          "finite and >= 1 (1 disables YaRN)")
+    # optim
+    _need("optim.lr", o.lr, _finite(o.lr) and o.lr > 0, "finite and > 0")
+    _need("optim.min_lr", o.min_lr, _finite(o.min_lr) and o.min_lr >= 0, "finite and >= 0")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr: must be <= optim.lr ({_num(o.lr)}), got {_num(o.min_lr)}")
+    _need("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0")
+    for key in ("beta1", "beta2"):
+        _need(f"optim.{key}", getattr(o, key), 0 <= getattr(o, key) < 1, "in [0, 1)")
+    _need("optim.eps", o.eps, _finite(o.eps) and o.eps > 0, "finite and > 0")
+    _need("optim.weight_decay", o.weight_decay, _finite(o.weight_decay) and o.weight_decay >= 0, "finite and >= 0")
+    _need("optim.grad_clip", o.grad_clip, _finite(o.grad_clip) and o.grad_clip >= 0, "finite and >= 0 (0 disables clipping)")
+    # train
+    for key in ("max_steps", "global_batch_size", "micro_batch_size"):
+        _need(f"train.{key}", getattr(t, key), getattr(t, key) > 0, "> 0")
+    if t.stop_at_step is not None:
+        _need("train.stop_at_step", t.stop_at_step, t.stop_at_step > 0, "> 0 or null")
+    _need("train.seed", t.seed, 0 <= t.seed < 2**63, "in 0..2**63-1")
+    _need("train.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 = only before the first and after the last step)")
+    _need("train.eval_batches", t.eval_batches, t.eval_batches >= 0, ">= 0 (0 = the whole validation split)")
+    _need("train.aux_loss_alpha", t.aux_loss_alpha, _finite(t.aux_loss_alpha) and t.aux_loss_alpha >= 0,
+          "finite and >= 0")
+    _check_piecewise("train.bias_update_speed", t.bias_update_speed)
+    _check_piecewise("train.mtp_loss_weight", t.mtp_loss_weight)
+    _need("train.max_skipped_steps", t.max_skipped_steps, t.max_skipped_steps >= 1, ">= 1")
+    # parallel
+    for key in ("pp", "ep", "ranks_per_node"):
+        _need(f"parallel.{key}", getattr(p, key), getattr(p, key) >= 1, ">= 1")
+    _need("parallel.zero", p.zero, p.zero in (0, 1, 2), "0, 1 or 2")
+    _need("parallel.timeout_s", p.timeout_s, p.timeout_s > 0, "> 0 (seconds)")
+    _need("parallel.zero_bucket_mb", p.zero_bucket_mb, _finite(p.zero_bucket_mb) and p.zero_bucket_mb > 0,
+          "finite and > 0")
+    _need("parallel.ep_latency_ms", p.ep_latency_ms, _finite(p.ep_latency_ms) and p.ep_latency_ms >= 0,
+          "finite and >= 0")
+    # data, checkpoint
+    _need("data.val_fraction", d.val_fraction, 0 <= d.val_fraction < 1, "in [0, 1) (0 = no validation)")
+    _need("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = only at the end)")
+    _need("checkpoint.keep", c.keep, c.keep >= 0, ">= 0 (0 keeps all)")
+
+
 def validate(cfg: Config, world_size: int = 1) -> Config:
-    """Cross-field checks; raises ``ConfigError('<key>: <what is wrong>')``. Runs before anything is built."""
+    """Per-key ranges, then cross-field checks; raises ``ConfigError('<key>: <what is wrong>')``. Runs before
+    anything is built."""
     cfg.model.validate("model")
+    _check_values(cfg)
     t, p, o, d = cfg.train, cfg.parallel, cfg.optim, cfg.data
     _one_of("train.precision", t.precision, PRECISIONS)
     _one_of("train.device", t.device, DEVICES)
@@ -167,14 +253,6 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     _one_of("optim.decay", o.decay, ("cosine", "constant"))
     _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("hierarchical", "alltoall"))
-    for key in ("max_steps", "global_batch_size", "micro_batch_size"):
-        if getattr(t, key) <= 0:
-            raise ConfigError(f"train.{key}: must be > 0, got {getattr(t, key)}")
-    for key in ("pp", "ep", "ranks_per_node"):
-        if getattr(p, key) <= 0:
-            raise ConfigError(f"parallel.{key}: must be >= 1, got {getattr(p, key)}")
-    if p.zero not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {p.zero}")
     from parallel.dims import ParallelDims   # validates pp/ep/ranks_per_node against the world size
     dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
     dims.check_model(cfg.model)
@@ -184,8 +262,6 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if o.moment_dtype == "bf16" and p.zero == 0:
         raise ConfigError("optim.moment_dtype=bf16 needs parallel.zero >= 1 (without ZeRO the optimizer is "
                           "torch.optim.AdamW, whose moments are fp32; use auto or fp32)")
-    if p.zero_bucket_mb <= 0:
-        raise ConfigError(f"parallel.zero_bucket_mb: must be > 0, got {p.zero_bucket_mb}")
     if p.zero_backend == "deepspeed":
         if p.zero == 0:
             raise ConfigError("parallel.zero_backend=deepspeed needs parallel.zero = 1 or 2")
@@ -201,32 +277,29 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if (p.pp > 1) != (p.schedule != "none"):
         raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
                           "(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")
-    if t.stop_at_step is not None and t.stop_at_step <= 0:
-        raise ConfigError(f"train.stop_at_step: must be > 0 or null, got {t.stop_at_step}")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
             f"({t.micro_batch_size}) x data-parallel size ({dp})")
     if p.pp > 1:
         from parallel.pipeline.schedules import get_schedule
-        from parallel.pipeline.stages import layer_split, n_stages_of
+        from parallel.pipeline.stages import n_stages_of
         n_micro = t.global_batch_size // (t.micro_batch_size * dp)
         try:
             get_schedule(p.schedule, p.pp, n_micro)
-            layer_split(cfg.model.n_layers, n_stages_of(p.schedule, p.pp), p.pp_layout)
         except ValueError as e:
             raise ConfigError(f"parallel.schedule={p.schedule} with {n_micro} micro-batches per step "
                               f"(train.global_batch_size / (train.micro_batch_size x dp {dp})): {e}") from e
+        n_stages, layout = n_stages_of(p.schedule, p.pp), p.pp_layout
+        if layout is not None and (len(layout) != n_stages or sum(layout) != cfg.model.n_layers or min(layout) < 0):
+            raise ConfigError(f"parallel.pp_layout: need {n_stages} non-negative layer counts (stages of "
+                              f"{p.schedule} with pp={p.pp}) summing to model.n_layers ({cfg.model.n_layers}), "
+                              f"got {list(layout)}")
+    elif p.pp_layout is not None:
+        raise ConfigError(f"parallel.pp_layout: set to {list(p.pp_layout)} but parallel.pp is 1 (no pipeline); "
+                          "remove it or set parallel.pp and parallel.schedule")
     if d.seq_len <= 1 or d.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len ({d.seq_len}) must be in 2..model.max_seq_len ({cfg.model.max_seq_len})")
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction ({d.val_fraction}) must be in (0, 1)")
-    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise ConfigError(f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr ({o.lr})] and optim.lr > 0")
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
-        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+        raise ConfigError(f"data.seq_len: must be in 2..model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(os.path.expanduser(resume)):
         raise ConfigError(f"checkpoint.resume: {resume!r} is not a directory (use auto, none or a checkpoint dir)")

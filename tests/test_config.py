@@ -1,11 +1,16 @@
-"""The config key set is a public contract: a snapshot makes every new or renamed knob a reviewed change."""
+"""The config key set is a public contract: a snapshot makes every new or renamed knob a reviewed change.
+Every key's range is checked before anything is built, with one line naming the key."""
+import copy
+import math
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
-from configs.schema import Config, Piecewise
+from configs.schema import Config, Piecewise, validate
+from models.config import ConfigError
 
-from .trainer_utils import make_config
+from .trainer_utils import make_config, run_cli
 
 SNAPSHOT = Path(__file__).parent / "assets" / "config_keys.txt"
 
@@ -50,3 +55,111 @@ def test_piecewise_switches_by_steps_or_tokens():
 def test_experiment_overrides_compose():
     cfg = make_config("model=v3_small")
     assert cfg.model.n_routed_experts == 64 and cfg.train.max_steps == 150  # exp=tiny train values kept
+
+
+# ------------------------------------------------------------------------------------------- validation
+NAN, INF = math.nan, math.inf
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_config()
+
+
+def _with(cfg, **values):
+    """A copy of ``cfg`` with dotted keys set (``optim__eps=0`` sets optim.eps)."""
+    cfg = copy.deepcopy(cfg)
+    for dotted, value in values.items():
+        *path, last = dotted.split("__")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, last, value)
+    return cfg
+
+
+BAD = [  # (key, value, extra keys to set) -> validate() must name key
+    ("optim.lr", 0.0), ("optim.lr", -1e-3), ("optim.lr", NAN), ("optim.lr", INF),
+    ("optim.min_lr", -1e-5), ("optim.min_lr", NAN), ("optim.min_lr", 1.0),          # 1.0 > lr
+    ("optim.warmup_steps", -1),
+    ("optim.beta1", 1.5), ("optim.beta1", 1.0), ("optim.beta1", -0.1), ("optim.beta1", NAN),
+    ("optim.beta2", 1.0), ("optim.beta2", -0.5),
+    ("optim.eps", 0.0), ("optim.eps", -1e-8), ("optim.eps", NAN),
+    ("optim.weight_decay", -0.1), ("optim.weight_decay", INF),
+    ("optim.grad_clip", -1.0), ("optim.grad_clip", NAN),
+    ("train.bias_update_speed.value", -0.001), ("train.bias_update_speed.value", NAN),
+    ("train.bias_update_speed.then", -1.0, {"train.bias_update_speed.after_steps": 5}),
+    ("train.bias_update_speed.then", 0.0),                                  # no after_steps / after_tokens
+    ("train.bias_update_speed.then", None, {"train.bias_update_speed.after_tokens": 10}),   # switch to nothing
+    ("train.bias_update_speed.after_steps", -1, {"train.bias_update_speed.then": 0.0}),
+    ("train.mtp_loss_weight.value", -0.3), ("train.mtp_loss_weight.value", INF),
+    ("train.mtp_loss_weight.then", NAN, {"train.mtp_loss_weight.after_steps": 5}),
+    ("train.mtp_loss_weight.after_tokens", -5, {"train.mtp_loss_weight.then": 0.1}),
+    ("train.aux_loss_alpha", -1e-4),
+    ("train.eval_every", -1), ("train.eval_batches", -1),
+    ("train.max_skipped_steps", 0), ("train.max_skipped_steps", -3),
+    ("train.max_steps", 0), ("train.stop_at_step", 0), ("train.seed", -1), ("train.seed", 2**63),
+    ("parallel.timeout_s", 0), ("parallel.timeout_s", -5),
+    ("parallel.zero_bucket_mb", NAN), ("parallel.ep_latency_ms", -1.0),
+    ("parallel.pp_layout", [2, 2]),                                           # pp = 1
+    ("parallel.pp_layout", [3, 0], {"parallel.pp": 2, "parallel.schedule": "1f1b"}),   # 3 != n_layers 4
+    ("parallel.schedule", "zb2p"),
+    ("checkpoint.every", -1), ("checkpoint.keep", -1),
+    ("data.val_fraction", 1.0), ("data.val_fraction", -0.1), ("data.val_fraction", NAN),
+    ("data.seq_len", 1),
+    ("model.norm_eps", 0.0), ("model.init_std", -0.02), ("model.rope_theta", 0.0), ("model.route_scale", NAN),
+    ("model.rope_factor", NAN),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda c: f"{c[0]}={c[1]}")
+def test_bad_values_fail_validation_naming_the_key(tiny, case):
+    key, value, *extra = case
+    values = {k.replace(".", "__"): v for k, v in (extra[0] if extra else {}).items()}
+    cfg = _with(tiny, **values, **{key.replace(".", "__"): value})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=cfg.parallel.pp)
+    msg = str(e.value)
+    assert msg.startswith(key + ": ") and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("values", [
+    {"optim__eps": 1e-30, "optim__beta1": 0.0, "optim__beta2": 0.0, "optim__weight_decay": 0.0,
+     "optim__grad_clip": 0.0, "optim__warmup_steps": 0, "optim__min_lr": 0.0},
+    {"optim__min_lr": 3e-3},                                                 # = lr
+    {"train__bias_update_speed__value": 0.0, "train__bias_update_speed__then": 0.0,
+     "train__bias_update_speed__after_tokens": 0, "train__mtp_loss_weight__value": 0.0, "train__aux_loss_alpha": 0.0},
+    {"train__eval_every": 0, "train__eval_batches": 0, "train__max_skipped_steps": 1, "checkpoint__every": 0,
+     "checkpoint__keep": 0, "data__val_fraction": 0.0, "train__seed": 2**63 - 1},
+    {"parallel__timeout_s": 1, "parallel__ep_latency_ms": 0.0},
+    {"parallel__pp_layout": [1, 3]},
+], ids=["optim-edges", "min_lr-eq-lr", "piecewise-zero", "zero-edges", "parallel-edges", "pp_layout"])
+def test_edge_values_are_accepted(tiny, values):
+    pp = {"parallel__pp": 2, "parallel__schedule": "1f1b"} if "parallel__pp_layout" in values else {}
+    validate(_with(tiny, **values, **pp), world_size=2 if pp else 1)
+
+
+def test_zb1p_is_a_schedule(tiny):
+    cfg = validate(_with(tiny, parallel__pp=2, parallel__schedule="zb1p"), world_size=2)
+    assert cfg.parallel.schedule == "zb1p"
+    with pytest.raises(ConfigError, match=r"^parallel\.schedule=zb1p with 1 micro-batches"):   # needs n >= pp
+        validate(_with(tiny, parallel__pp=2, parallel__schedule="zb1p", train__global_batch_size=8,
+                       train__micro_batch_size=8), world_size=2)
+
+
+def test_max_skipped_steps_default():
+    assert Config().train.max_skipped_steps == 3 and make_config().train.max_skipped_steps == 3
+
+
+@pytest.mark.parametrize("override,key", [
+    ("optim.eps=0", "optim.eps"),
+    ("optim.lr=nan", "optim.lr"),
+    ("train.bias_update_speed.value=-1", "train.bias_update_speed.value"),
+    ("train.max_skipped_steps=0", "train.max_skipped_steps"),
+])
+def test_cli_prints_one_line_and_exits_2(tmp_path, override, key):
+    proc = run_cli("+exp=tiny", override, f"hydra.run.dir={tmp_path}/run", "logging.wandb.mode=disabled", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key}: "), proc.stderr
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("metrics.jsonl"))

@@ -1,5 +1,6 @@
 """trainer/data.py: offline corpus loading, tokenizer/token caching, packed resumable batches."""
 import json
+import logging
 import time
 import types
 
@@ -12,7 +13,7 @@ from trainer.data import PackedBatches, load_corpus, val_batches
 
 
 def _cfg(cache_dir, **kw):
-    base = dict(path=None, tokenizer=None, seq_len=64, text_field="text", val_fraction=0.05, cache_dir=str(cache_dir))
+    base = dict(path=None, tokenizer=None, seq_len=8, text_field="text", val_fraction=0.05, cache_dir=str(cache_dir))
     base.update(kw)
     return types.SimpleNamespace(**base)
 
@@ -193,8 +194,10 @@ def test_packed_resume():
     fresh.load_state_dict(json.loads(json.dumps(sd)))
     x, y = fresh.next_batch()
     assert torch.equal(x, ref[3][0]) and torch.equal(y, ref[3][1])
-    with pytest.raises(ValueError):
-        PackedBatches(TOK, 16, 4, seed=4).load_state_dict(sd)
+    msg = _raises("train.seed", lambda: PackedBatches(TOK, 16, 4, seed=4).load_state_dict(sd))
+    assert "train.seed=3" in msg and "train.seed=4" in msg and "checkpoint.resume=none" in msg
+    msg = _raises("data.path", lambda: PackedBatches(TOK[:500], 16, 4, seed=3).load_state_dict(sd))  # other data
+    assert "62 windows" in msg and "31" in msg
 
 
 def test_packed_epoch_crossing():
@@ -235,3 +238,82 @@ def test_val_batches():
     small = val_batches(TOK[:50], 16, 8, max_batches=2)     # fewer windows than a batch -> one short batch
     assert len(small) == 1 and small[0][0].shape == (3, 16)
     assert val_batches(TOK[:10], 16, 8, 2) == []
+
+
+# ------------------------------------------------------------------------- unsupported files, empty splits
+def _jsonl(path, paras):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
+
+
+def test_unsupported_files_in_a_directory_are_listed(tmp_path, caplog):
+    d = tmp_path / "data"
+    _jsonl(d / "part0.jsonl", PARAS)
+    for name in ("README.md", "notes.csv", "sub/train.jsonl.gz"):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text("not loaded")
+    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+        c = load_corpus(_cfg(tmp_path / "cache", path=str(d)), 400)
+    _check_user(c)
+    assert (c.train_tokens == c.eos_id).sum() + (c.val_tokens == c.eos_id).sum() == len(PARAS)  # the .jsonl only
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert warned[0].startswith("data.path: skipping 3 file(s)")
+    assert all(n in warned[0] for n in ("README.md", "notes.csv", "sub/train.jsonl.gz")), warned[0]
+    assert "part0.jsonl" not in warned[0]
+    caplog.clear()                                           # a clean directory warns about nothing
+    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+        load_corpus(_cfg(tmp_path / "cache", path=str(d / "part0.jsonl")), 400)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_unsupported_files_listed_in_errors(tmp_path):
+    d = tmp_path / "only_other"
+    d.mkdir()
+    for name in ("a.csv", "b.md"):
+        (d / name).write_text("x")
+    msg = _raises("data.path", lambda: load_corpus(_cfg(tmp_path / "cache", path=str(d)), 400))
+    assert "a.csv" in msg and "b.md" in msg
+    mixed = tmp_path / "mixed"
+    _jsonl(mixed / "a.jsonl", PARAS)
+    for k in range(12):
+        (mixed / f"x{k:02d}.csv").write_text("x")
+    msg = _raises("data.path", lambda: load_corpus(_cfg(tmp_path / "cache", path=str(mixed / "*")), 400))  # a glob
+    assert "x00.csv" in msg and "x09.csv" in msg and "and 2 more" in msg and "a.jsonl" not in msg
+
+
+def test_val_fraction_zero_holds_out_nothing(tmp_path):
+    f = tmp_path / "a.jsonl"
+    _jsonl(f, PARAS)
+    c = load_corpus(_cfg(tmp_path / "cache", path=str(f), val_fraction=0.0), 400)
+    assert len(c.val_tokens) == 0 and (c.train_tokens == c.eos_id).sum() == len(PARAS)
+    assert val_batches(c.val_tokens, 16, 4, max_batches=4) == []      # the trainer's signal: no validation
+    _jsonl(tmp_path / "one.jsonl", PARAS[:1])      # one document is enough when none is held out
+    assert len(load_corpus(_cfg(tmp_path / "cache", path=str(tmp_path / "one.jsonl"), val_fraction=0.0), 400).val_tokens) == 0
+    _raises("data.path", lambda: load_corpus(_cfg(tmp_path / "cache", path=str(tmp_path / "one.jsonl")), 400))
+
+
+def test_empty_validation_split_is_an_error(tmp_path):
+    f = tmp_path / "a.jsonl"
+    _jsonl(f, PARAS)
+    ok = load_corpus(_cfg(tmp_path / "cache", path=str(f), val_fraction=0.01, seq_len=8), 400)   # one document
+    assert 9 <= len(ok.val_tokens) < 65
+    msg = _raises("data.val_fraction",
+                  lambda: load_corpus(_cfg(tmp_path / "cache", path=str(f), val_fraction=0.01, seq_len=64), 400))
+    assert f"holds out {len(ok.val_tokens)} validation tokens" in msg and "data.seq_len+1=65" in msg
+    assert "data.val_fraction=0" in msg
+
+
+def test_seed_change_on_resume_names_train_seed(tmp_path, default_corpus, default_cache):
+    """Through the trainer: the checkpoint's data position belongs to another seed's order."""
+    from trainer.train import Trainer
+
+    from .trainer_utils import fast_overrides, make_config, run_inprocess
+    common = [*fast_overrides(tmp_path, default_cache), "train.global_batch_size=4", "train.micro_batch_size=4",
+              "data.seq_len=32", "train.eval_batches=1", "train.eval_every=0", "train.max_steps=1",
+              f"checkpoint.dir={tmp_path}/ck", "model.n_layers=2"]
+    run_inprocess(tmp_path / "a", *common)
+    with pytest.raises(ConfigError) as e:
+        Trainer(make_config(*common, "train.seed=7"), tmp_path / "b")
+    msg = str(e.value)
+    assert msg.startswith("train.seed: ") and "\n" not in msg and "train.seed=0" in msg and "train.seed=7" in msg

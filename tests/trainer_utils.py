@@ -16,10 +16,10 @@ def fast_overrides(tmp: Path, cache: Path) -> list[str]:
     return [f"data.cache_dir={cache}", "logging.wandb.mode=disabled", "logging.progress=false"]
 
 
-def make_config(*overrides: str):
+def make_config(*overrides: str, world_size: int = 1):
     register()
     with initialize_config_module("configs", version_base=None):
-        return validate(to_object(compose("config", overrides=["+exp=tiny", *overrides])))
+        return validate(to_object(compose("config", overrides=["+exp=tiny", *overrides])), world_size)
 
 
 def run_inprocess(run_dir: Path, *overrides: str) -> dict:

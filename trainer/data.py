@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ _EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sent
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _CACHE_VERSION = "data-v1"
 _BATCH_DOCS = 1024
+_LISTED = 10          # unsupported files named in the warning / error; the rest are counted
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +66,18 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+def _is_main_process() -> bool:
+    """Global rank 0 (or no process group): data warnings are printed once per run, not once per rank."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+
+
+def _listing(paths: list[str], root: Path | None = None) -> str:
+    names = [os.path.relpath(f, root) if root is not None else f for f in paths]
+    more = len(names) - _LISTED
+    return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
 def _files_fingerprint(files) -> list:
     return [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
 
@@ -84,14 +99,22 @@ def _resolve_source(path):
         files = sorted(str(f) for f in p.rglob("*") if f.is_file())
         return "saved", [str(p)], _files_fingerprint(files)
     elif p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in _BUILDERS)
+        found = sorted(str(f) for f in p.rglob("*") if f.is_file())
+        files = [f for f in found if Path(f).suffix.lower() in _BUILDERS]
+        skipped = [f for f in found if Path(f).suffix.lower() not in _BUILDERS]
         if not files:
-            raise ConfigError(f"data.path: directory {path} holds no .txt/.jsonl/.json/.parquet files {hint}")
+            raise ConfigError(f"data.path: directory {path} holds no .txt/.jsonl/.json/.parquet files {hint}"
+                              + (f"; it has {_listing(skipped, p)}" if skipped else ""))
+        if skipped and _is_main_process():
+            # A warning, not an error: dataset directories usually carry README.md, LICENSE, .gitattributes
+            # or download metadata; a glob (data.path='<dir>/**/*.jsonl') picks the files explicitly.
+            log.warning(f"data.path: skipping {len(skipped)} file(s) in {path} that are not .txt/.jsonl/.json/"
+                        f".parquet: {_listing(skipped, p)} (name the data files with a glob to silence this)")
     else:
         files = [str(p)]
     bad = [f for f in files if Path(f).suffix.lower() not in _BUILDERS]
     if bad:
-        raise ConfigError(f"data.path: unsupported file type {bad[0]} (expected .txt/.jsonl/.json/.parquet)")
+        raise ConfigError(f"data.path: unsupported file type (expected .txt/.jsonl/.json/.parquet): {_listing(bad)}")
     return "files", files, _files_fingerprint(files)
 
 
@@ -153,7 +176,8 @@ def _iter_docs(sources):
 
 
 def _is_val_mask(n_docs: int, val_fraction: float) -> np.ndarray:
-    n_val = min(n_docs - 1, max(1, int(round(n_docs * val_fraction))))
+    """Validation documents: ``val_fraction`` of them (at least one, leaving one for training); none for 0."""
+    n_val = 0 if val_fraction == 0 else min(n_docs - 1, max(1, int(round(n_docs * val_fraction))))
     mask = np.zeros(n_docs, dtype=bool)
     mask[np.random.default_rng(0).permutation(n_docs)[:n_val]] = True
     return mask
@@ -243,9 +267,11 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
         if sources is None:
             sources = _load_sources(kind, files, text_field, cache_dir)
             n_docs = sum(len(b) for b in _iter_docs(sources))
-            if n_docs < 2:
+            need = 1 if val_fraction == 0 else 2
+            if n_docs < need:
                 raise ConfigError(f"data.path: {data_cfg.path or 'default corpus'} holds {n_docs} non-empty "
-                                  f"document(s); need at least 2 (one train, one validation; .txt documents are split at blank lines)")
+                                  f"document(s); need at least {need} ({'one' if need == 1 else 'one train, one validation'}"
+                                  "; .txt documents are split at blank lines)")
             is_val = _is_val_mask(n_docs, val_fraction)
 
     tok_name = getattr(data_cfg, "tokenizer", None)
@@ -281,6 +307,12 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
                 "vocab_size": len(tokenizer), "source": str(getattr(data_cfg, "path", None))}
         _atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
     train, val = (np.load(paths[s], mmap_mode="r") for s in ("train", "val"))
+    seq_len = getattr(data_cfg, "seq_len", None)
+    if val_fraction > 0 and seq_len and len(val) < seq_len + 1:
+        # Validation was asked for but would measure nothing (the trainer would log val_loss 0.0).
+        raise ConfigError(f"data.val_fraction: {val_fraction} holds out {len(val)} validation tokens, fewer than one "
+                          f"window of data.seq_len+1={seq_len + 1}; raise data.val_fraction or lower data.seq_len, "
+                          "or set data.val_fraction=0 to train without validation")
     return Corpus(train_tokens=train, val_tokens=val, eos_id=eos_id, vocab_size=len(tokenizer), tokenizer=tokenizer)
 
 
@@ -342,10 +374,17 @@ class PackedBatches:
                 "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Resume; raises ValueError if the saved stream had a different seed or window count (other data)."""
-        for k, mine in (("seed", self.seed), ("num_samples", self._n)):
-            if k in sd and int(sd[k]) != mine:
-                raise ValueError(f"data state mismatch: checkpoint {k}={sd[k]}, this stream has {k}={mine}")
+        """Resume; raises ConfigError (one line, naming the key) if the saved stream had a different seed or
+        window count (other data): its position would index a different order."""
+        fresh = "or start a new run with checkpoint.resume=none or another checkpoint.dir"
+        if "seed" in sd and int(sd["seed"]) != self.seed:
+            raise ConfigError(f"train.seed: the checkpoint was written with train.seed={int(sd['seed'])}, this run has "
+                              f"train.seed={self.seed} (the seed fixes the data order, so the checkpoint's data position "
+                              f"means other batches); resume with train.seed={int(sd['seed'])}, {fresh}")
+        if "num_samples" in sd and int(sd["num_samples"]) != self._n:
+            raise ConfigError(f"data.path: the checkpoint's training stream has {int(sd['num_samples'])} windows, this "
+                              f"run's has {self._n} (data.path, data.tokenizer, data.seq_len or data.val_fraction "
+                              f"changed); resume with the checkpoint's data settings, {fresh}")
         self.consumed_samples = int(sd["consumed_samples"])
 
 
