@@ -25,6 +25,7 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     ranks_per_node: int = 1
+    timeout_s: float | None = None   # every group's collective timeout (None: the world group's default)
     groups: dict[str, Any] = field(default_factory=dict, repr=False)   # filled by build_groups()
 
     def __post_init__(self):
@@ -90,8 +91,6 @@ class ParallelDims:
     # ---- process groups -----------------------------------------------------------------------------
     def build_groups(self, device_type: str = "cpu") -> "ParallelDims":
         """Create every process group once (all ranks call ``new_group`` in the same order)."""
-        import torch.distributed as dist
-
         w, dp, ep, rpn = self.world_size, self.dp, self.ep, self.ep_ranks_per_node
         layouts = {
             "pp": [list(range(i, w, dp)) for i in range(dp)],
@@ -109,28 +108,39 @@ class ParallelDims:
             layouts[name + "_b"] = layouts[name]
         for name, rank_lists in layouts.items():
             for ranks in rank_lists:
-                g = dist.new_group(ranks)
+                g = self.new_group(ranks, name)
                 if self.rank in ranks:
                     self.groups[name] = g
                     self.groups[name + "_ranks"] = ranks
         self._build_pipeline_channels()
-        from torch.distributed.device_mesh import init_device_mesh
-        self.groups["mesh"] = init_device_mesh(device_type, (self.pp, self.edp, self.ep),
-                                               mesh_dim_names=("pp", "edp", "ep"))
+        # The (pp, edp, ep) mesh for DTensor checkpoints, over the groups above (so it has their timeout).
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+        self.groups["mesh"] = DeviceMesh.from_group(
+            [self.groups["pp"], self.groups["edp"], self.groups["ep"]], device_type,
+            mesh=torch.arange(w).view(self.pp, self.edp, self.ep), mesh_dim_names=("pp", "edp", "ep"))
         return self
+
+    def new_group(self, ranks: list[int], desc: str):
+        """``dist.new_group`` with ``timeout_s``: torch gives subgroups its own default (10 min on gloo, 30
+        on NCCL), not the world group's, so a hung peer would otherwise block a subgroup for that long.
+        ``desc`` names the group in NCCL's errors and flight-recorder dumps. Every rank must call it for
+        every group, in the same order."""
+        import torch.distributed as dist
+        from datetime import timedelta
+        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        return dist.new_group(ranks, timeout=timeout, group_desc=desc)
 
     def _build_pipeline_channels(self) -> None:
         """One two-rank group per direction between adjacent pipeline ranks of every pipeline
         (``parallel/pipeline/p2p.py`` says why): ``pp_send`` / ``pp_recv`` map the peer's pipeline rank
         to (group, the peer's global rank)."""
-        import torch.distributed as dist
-
         self.groups["pp_send"], self.groups["pp_recv"] = {}, {}
         for d in range(self.dp):
             ranks = [p * self.dp + d for p in range(self.pp)]
             for p in range(self.pp - 1):
                 a, b = ranks[p], ranks[p + 1]
-                down, up = dist.new_group([a, b]), dist.new_group([a, b])   # a -> b, b -> a
+                down, up = self.new_group([a, b], f"pp {p}->{p + 1}"), self.new_group([a, b], f"pp {p + 1}->{p}")
                 if self.rank == a:
                     self.groups["pp_send"][p + 1], self.groups["pp_recv"][p + 1] = (down, b), (up, b)
                 elif self.rank == b:

@@ -148,7 +148,7 @@ def _timeout_worker(rank, world):
     if rank == 1:
         time.sleep(6)   # skips the layer: rank 0's all-to-all must time out, not hang
         return
-    with pytest.raises(RuntimeError, match=r"layers\.1\.ffn failed on rank 0"):
+    with pytest.raises(RuntimeError, match=r"layers\.1\.ffn \(EP group \[0, 1\]\) failed on rank 0"):
         model.layers[1].ffn(torch.randn(1, 4, 32))
 
 

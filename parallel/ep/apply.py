@@ -47,7 +47,8 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
                                                 dims.group("ep_b"), fp8_dispatch)
         else:
             raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
-        moe.dispatcher.name = name   # e.g. "layers.3.ffn", used in error messages
+        # used in error messages, e.g. "layers.3.ffn (EP group [0, 1, 2, 3])"
+        moe.dispatcher.name = f"{name} (EP group {dims.group('ep_ranks')})"
     return model
 
 

@@ -18,17 +18,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import named
+
 TILE = 128   # kernels.reference.TILE; ``kernels`` is imported on first use (it configures Triton on import)
 
 
 @contextlib.contextmanager
 def named_errors(name: str, rank: int):
-    """Re-raise communication failures (timeouts, dead peers) naming the rank and the MoE layer."""
-    try:
+    """Re-raise communication failures (timeouts, dead peers) naming the rank and the MoE layer (and its
+    EP group: ``name`` carries it, see ``apply_ep``); other errors pass unchanged."""
+    with named(f"expert all-to-all of {name} failed on rank {rank} (a peer may have died, timed out, or "
+               f"skipped this layer)"):
         yield
-    except RuntimeError as e:
-        raise RuntimeError(f"expert all-to-all of {name} failed on rank {rank}: {str(e).splitlines()[0]} "
-                           f"(a peer may have died, timed out, or skipped this layer)") from e
 
 
 class Pending:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .overlap import backward_steps, forward_steps, run, run_pair, weight_backward
+from ..errors import named
 from .p2p import PipeChannels
 from .schedules.actions import Action, Kind, Payload
 from .stages import Stage
@@ -60,15 +61,17 @@ class PipelineExecutor:
         # on the device: summing detached losses there keeps the host from waiting for each micro-batch
         self.sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in ("lm", "mtp", "aux", "n")}
         clock = _Clock(self.device)
-        for a in self.actions:
+        for i, a in enumerate(self.actions):
             t0 = clock.now()
-            getattr(self, "_" + a.kind.name.lower())(a)
+            with named(f"pipeline rank {self.p2p.pp_rank}, action {i} ({a})"):
+                getattr(self, "_" + a.kind.name.lower())(a)
             if a.is_compute:
                 clock.add(a.kind, t0, clock.now())
         # compute action times and the span from the first compute start to the last compute end, this step
         self.durations, self.span_s = clock.read()
-        for work, _ in self.sends:
-            work.wait()
+        with named(f"pipeline rank {self.p2p.pp_rank}, the step's sends"):
+            for work, _ in self.sends:
+                work.wait()
         self.sends.clear()
         leftovers = set(self.outputs) | set(self.inputs)
         assert not leftovers, f"pipeline step ended with un-backpropagated (micro-batch, stage): {sorted(leftovers)}"

@@ -28,6 +28,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..errors import P2PError, named
+
 STRICT_ENV = "DSV3_NCCL_STRICT"
 
 # Header: [magic, kind, mb, stage, dtype code, ndim, shape (up to 4 dims, zero-padded)]
@@ -39,10 +41,6 @@ _HEADER = 10
 
 def strict_from_env() -> bool:
     return os.environ.get(STRICT_ENV, "0") not in ("", "0", "false", "False")
-
-
-class P2PError(RuntimeError):
-    pass
 
 
 class PipeChannels:
@@ -72,6 +70,11 @@ class PipeChannels:
         """Receive the next transfer from pipeline rank ``peer`` into ``buf``; waits (on CUDA: the current
         stream waits, the host does not) and returns ``buf``."""
         group, src = self._channel(self.recv_from, peer, "receive from")
+        with named(f"receiving {what[0]} of micro-batch {what[1]} stage {what[2]} from pipeline rank {peer} "
+                   f"(global {src}, channel pp {peer}->{self.pp_rank})"):
+            return self._recv(buf, group, src, peer, what)
+
+    def _recv(self, buf: torch.Tensor, group, src: int, peer: int, what: tuple[str, int, int]) -> torch.Tensor:
         if self.strict:
             header = torch.empty(_HEADER, dtype=torch.int64, device=buf.device)
             dist.irecv(header, src=src, group=group).wait()

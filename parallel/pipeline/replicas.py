@@ -38,7 +38,7 @@ class ReplicaSync:
         for hs in sorted({h for h in self.holders.values() if len(h) > 1}):
             for d in range(dims.dp):
                 ranks = [p * dims.dp + d for p in hs]
-                g = dist.new_group(ranks)
+                g = dims.new_group(ranks, f"replicas {list(hs)}")
                 if dims.rank in ranks:
                     self.groups[hs] = g
 
