@@ -1,152 +1,684 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), written atomically.
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), written atomically and verified on load.
 
 Layout of ``checkpoint.dir``::
 
-    step_00000010/        a complete checkpoint: DCP files + .metadata, model_config.yaml, config.yaml
+    step_00000010/        a checkpoint: DCP shards (__<rank>_<i>.distcp) + .metadata, model_config.yaml,
+                          config.yaml, and manifest.json (size + sha256 of every other file; written last)
     step_00000020/
-    latest                text file naming the newest complete step dir (replaced atomically)
+    latest                text file naming the step dir to resume from (replaced atomically after each save)
     .tmp-step_*/          a save in progress (or one killed mid-write); never read, removed at start-up
 
-A save writes into a temp dir and renames it into place only when DCP has finished, so a killed save
-never leaves a half-written ``step_*`` dir; ``latest()`` only ever returns complete checkpoints.
+Save: every rank writes its shards into ``.tmp-step_N`` (``dcp.save`` is collective: it returns only after
+every rank's files are written and fsynced and rank 0 has written ``.metadata``); each rank hashes the
+files it wrote, rank 0 gathers the digests, writes the small files, hashes them, checks ``.metadata``,
+writes ``manifest.json`` and fsyncs, and only then renames the temp dir to ``step_N``. A ``step_N`` dir
+with a valid manifest is therefore complete by construction. A state holding inf/nan is refused before
+anything is written; a failed write (full disk, ...) removes the temp dir, names the path and errno, and
+touches no earlier checkpoint. Old checkpoints are pruned only after a save succeeded, and never one newer
+than it (a newer dir is another timeline or damaged: left for the user).
+
+Load: ``resolve("auto")`` tries the step dir named by ``latest`` first (validated), then every ``step_*``
+dir newest first; damaged ones are skipped with a warning naming the dir and the file (if none verifies:
+one error listing them all; a damaged explicit ``checkpoint.resume`` path: an error naming the file; all
+are ``ConfigError``s, one line and exit 2 from the CLI). Verification checks
+every listed file's size and sha256 (split over the ranks; all ranks gather the results, so all pick the
+same checkpoint) and that ``.metadata`` unpickles. Checkpoints written before manifests existed are
+accepted with a warning (sizes checked against ``.metadata``; contents not verified).
+
 Tensors are stored under the single-device model's names, so other layouts can load them.
+
+``python -m trainer.checkpoint <step dir or checkpoint.dir> ...`` verifies checkpoints from the shell.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno as errno_mod
+import hashlib
+import json
 import os
 import re
 import shutil
+import socket
+import sys
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from models.config import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "dsv3-checkpoint-manifest/1"
+HASH = "sha256"            # hardware-accelerated (SHA-NI / ARMv8 crypto) in OpenSSL; `sha256sum` checks it by hand
+_CHUNK = 8 << 20
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _step_of(p: Path) -> int:
+    m = STEP_DIR.match(p.name)
+    return int(m.group(1)) if m else -1
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+class CheckpointError(ConfigError):
+    """A checkpoint problem the user fixes (``python -m trainer`` prints one line, exit 2)."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files are missing, cut short, altered after the save, or unreadable."""
+
+    def __init__(self, msg: str, path: Path | None = None, file: str | None = None):
+        super().__init__(msg)
+        self.path, self.file = path, file
+
+
+TornCheckpointError = DamagedCheckpointError   # the old name
+
+
+class NoGoodCheckpointError(CheckpointError):
+    """``checkpoint.resume=auto`` found checkpoints, but none of them verifies."""
+
+
+class CheckpointDirError(CheckpointError):
+    """``checkpoint.dir`` cannot be created or written (checked at start-up)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed (e.g. disk full); the temp dir is gone and earlier checkpoints are untouched."""
+
+    def __init__(self, msg: str, errno: int | None = None):
+        super().__init__(msg)
+        self.errno = errno
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to save holds inf/nan; nothing was written."""
+
+
+# ---- verification ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Verdict:
+    """Outcome of verifying one checkpoint: ``problems`` are ``(file, what is wrong)``, sorted by file."""
+    path: Path
+    problems: list[tuple[str, str]]
+    legacy: bool = False        # no manifest.json: written before checksums; sizes checked only
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def first(self) -> str:
+        """``<path>/<file> <what is wrong>`` for the first bad file (+ how many others)."""
+        name, what = self.problems[0]
+        more = f" (and {len(self.problems) - 1} more bad file{'s' if len(self.problems) > 2 else ''})" \
+            if len(self.problems) > 1 else ""
+        return f"{self.path / name if name != '.' else self.path} {what}{more}"
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, streamed."""
+    h = hashlib.new(HASH)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def _digests(root: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+    """``file_digest`` of several files in threads (hashlib and file reads release the GIL)."""
+    if len(names) <= 1:
+        return {n: file_digest(root / n) for n in names}
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(min(len(names), os.cpu_count() or 1, 8)) as pool:
+        return dict(zip(names, pool.map(lambda n: file_digest(root / n), names)))
+
+
+def _oneline(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _os_error(e: OSError) -> str:
+    code = errno_mod.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
+    where = e.filename if e.filename is not None else "?"
+    return f"{where}: errno {e.errno} ({code}: {e.strerror or e})"
+
+
+def _structure_problems(path: Path) -> list[tuple[str, str]]:
+    """``.metadata`` exists and unpickles, and every shard it points to exists and is long enough."""
+    if not (path / ".metadata").is_file():
+        return [(".metadata", "is missing (not a complete checkpoint; point checkpoint.resume at a step_* dir)")]
+    try:
+        with _single_process_quiet():
+            meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:   # pickle errors, EOF, wrong classes: all mean "not readable metadata"
+        return [(".metadata", f"cannot be read: it is corrupt or from an incompatible torch ({_oneline(e)})")]
+    need: dict[str, int] = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    problems = []
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            problems.append((rel, f"is missing ({len(need)} shard files expected)"))
+        elif f.stat().st_size < size:
+            problems.append((rel, f"has {f.stat().st_size} bytes, .metadata needs {size} (truncated)"))
+    return problems
+
+
+def verify_local(path: Path, rank: int = 0, world: int = 1) -> Verdict:
+    """This rank's share of verifying ``path``: every rank checks presence and sizes of all listed files
+    (cheap, and identical on shared storage), then hashes files ``rank::world`` of the sorted list; rank 0
+    also checks ``.metadata``. Gather the verdicts of all ranks with ``merge``."""
+    path = Path(path)
+    if not path.is_dir():
+        return Verdict(path, [(".", "is not a directory")])
+    mf = path / MANIFEST
+    if not mf.exists():
+        return Verdict(path, _structure_problems(path) if rank == 0 else [], legacy=True)
+    try:
+        manifest = json.loads(mf.read_text())
+        files = {str(k): (int(v["size"]), str(v[HASH])) for k, v in manifest["files"].items()}
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"unknown format {manifest.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return Verdict(path, [(MANIFEST, f"is unreadable or corrupt ({_oneline(e)})")])
+    problems = []
+    names = sorted(files)
+    for name in names:
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            problems.append((name, "is missing (listed in manifest.json)"))
+            continue
+        except OSError as e:
+            problems.append((name, f"cannot be read ({_os_error(e)})"))
+            continue
+        if size != files[name][0]:
+            problems.append((name, f"has {size} bytes, manifest.json says {files[name][0]} (truncated or overwritten)"))
+    if ".metadata" not in files:
+        problems.append((".metadata", "is not listed in manifest.json"))
+    if problems:
+        return Verdict(path, sorted(problems))
+    mine = names[rank::world]
+    try:
+        got = _digests(path, mine)
+    except OSError as e:
+        got = {}
+        problems.append((Path(e.filename).name if e.filename else mine[0], f"cannot be read ({_os_error(e)})"))
+    for name in mine:
+        if name in got and got[name][1] != files[name][1]:
+            problems.append((name, f"fails its {HASH} check: its bytes changed after the save (bit rot, a bad copy, "
+                                   f"or an overwrite)"))
+    if rank == 0 and not problems:
+        problems = _structure_problems(path)
+    return Verdict(path, sorted(problems))
+
+
+def merge(verdicts: list[Verdict]) -> Verdict:
+    problems = sorted({p for v in verdicts for p in v.problems})
+    return Verdict(verdicts[0].path, problems, legacy=any(v.legacy for v in verdicts))
+
+
+def check_complete(path: Path) -> None:
+    """Verify ``path`` in this process (all files hashed); raise ``DamagedCheckpointError`` naming the file."""
+    v = verify_local(Path(path))
+    if not v.ok:
+        raise DamagedCheckpointError(_explicit_message(v), v.path, v.problems[0][0])
+
+
+def _explicit_message(v: Verdict) -> str:
+    return (f"checkpoint.resume: checkpoint {v.path} is damaged: {v.first()}. Restore it from a copy, or resume "
+            f"from another checkpoint (checkpoint.resume=<another step dir>, or checkpoint.resume=auto to take the "
+            f"newest one that verifies, or checkpoint.resume=none)")
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- non-finite check --------------------------------------------------------------------------------
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def first_nonfinite(state: dict) -> Optional[str]:
+    """Name of the first floating tensor of ``state`` (this rank's pieces) holding inf or nan; one host sync
+    per device. Each tensor is reduced to a float64 sum (no copy of the tensor; an inf or nan anywhere
+    makes the sum non-finite, and float64 cannot overflow on finite float32/bf16 values)."""
+    from torch.distributed.tensor import DTensor
+    names: dict[torch.device, list[str]] = {}
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    for name, t in _tensors(state):
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        t = t.detach()
+        if t.element_size() == 1:   # float8: no reductions on some backends
+            t = t.float()
+        names.setdefault(t.device, []).append(name)
+        sums.setdefault(t.device, []).append(t.sum(dtype=torch.float64))
+    bad = []
+    for dev, s in sums.items():
+        finite = torch.isfinite(torch.stack(s)).tolist()
+        bad += [names[dev][i] for i, ok in enumerate(finite) if not ok]
+    if not bad:
+        return None
+    order = {name: i for i, (name, _) in enumerate(_tensors(state))}
+    return min(bad, key=lambda n: order.get(n, 0))
+
+
+# ---- the manager -------------------------------------------------------------------------------------
 class CheckpointManager:
-    def __init__(self, root: str | os.PathLike, keep: int = 3, is_writer: bool = True):
+    def __init__(self, root: str | os.PathLike, keep: int = 3, is_writer: bool = True,
+                 rank: int | None = None, world_size: int | None = None):
         self.root = Path(root).expanduser()
         self.keep = keep
         self.is_writer = is_writer
+        dist = _dist()
+        self.rank = rank if rank is not None else (dist.get_rank() if dist else 0)
+        self.world = world_size if world_size is not None else (dist.get_world_size() if dist else 1)
 
-    # ---- discovery -----------------------------------------------------------------------------
-    def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+    # ---- collectives (the default group: every rank calls save/resolve/check_writable) ----------------
+    def _all_gather(self, obj: Any) -> list:
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ---- discovery -------------------------------------------------------------------------------------
+    def step_dirs(self) -> list[Path]:
+        """Every ``step_*`` dir, complete or not, oldest first."""
         if not self.root.is_dir():
             return []
-        found = []
-        for p in self.root.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / ".metadata").is_file():
-                found.append((int(m.group(1)), p))
-        return [p for _, p in sorted(found)]
+        return sorted((p for p in self.root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=_step_of)
+
+    def complete(self) -> list[Path]:
+        """Step dirs with a ``.metadata``, oldest first (not verified: see ``resolve``)."""
+        return [p for p in self.step_dirs() if (p / ".metadata").is_file()]
 
     def latest(self) -> Optional[Path]:
+        """Newest step dir with a ``.metadata`` (not verified: see ``resolve``)."""
         done = self.complete()
         return done[-1] if done else None
 
     def remove_partial(self) -> None:
         """Delete temp dirs left by saves that were killed."""
         if self.is_writer and self.root.is_dir():
-            for p in self.root.glob(".tmp-*"):
-                shutil.rmtree(p, ignore_errors=True)
+            for pattern in (".tmp-*", ".latest-*", ".probe-*"):
+                for p in self.root.glob(pattern):
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            p.unlink()
 
-    # ---- save / load ---------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        """Create ``root`` if needed and write, fsync and remove a probe file there, on every rank (all write
+        shards into it); raise ``CheckpointDirError`` naming the dir, rank and errno on all ranks if any fails."""
+        err = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{socket.gethostname()}-{os.getpid()}-{self.rank}"
+            fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            try:
+                os.write(fd, b"probe\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            err = f"rank {self.rank}: {_os_error(e)}"
+        errs = [e for e in self._all_gather(err) if e]
+        if errs:
+            raise CheckpointDirError(
+                f"checkpoint.dir: {self.root} cannot be created or written ({errs[0]}"
+                f"{f'; {len(errs) - 1} more ranks' if len(errs) > 1 else ''}). Set checkpoint.dir to a writable "
+                f"directory (it is created if missing), or fix its permissions / free space")
+
+    # ---- choosing the checkpoint to resume from ----------------------------------------------------------
+    def verify(self, path: str | os.PathLike) -> Verdict:
+        """Verify ``path`` (collective: each rank hashes its share; every rank returns the same verdict)."""
+        path = Path(path).expanduser()
+        try:
+            mine = verify_local(path, self.rank, self.world)
+        except Exception as e:   # never skip the gather: the other ranks are waiting in it
+            mine = Verdict(path, [(".", f"could not be verified ({_oneline(e)})")])
+        return merge(self._all_gather(mine))
+
+    def _candidates(self) -> tuple[list[Path], Optional[Path], list[str]]:
+        """(step dirs to try in order, the dir ``latest`` names if valid, notes); rank 0 decides."""
+        notes: list[str] = []
+        dirs = list(reversed(self.step_dirs()))
+        named = None
+        lf = self.root / "latest"
+        if lf.exists():
+            try:
+                text = lf.read_text().strip()
+            except OSError as e:
+                text, why = None, f"cannot be read ({_os_error(e)})"
+            else:
+                why = f"names {text!r}, which is not a step dir in {self.root}"
+            if text and STEP_DIR.match(text) and (self.root / text).is_dir():
+                named = self.root / text
+                newer = [p.name for p in dirs if _step_of(p) > _step_of(named)]
+                if newer:
+                    notes.append(f"checkpoint.resume=auto: {lf} names {text}; the newer {', '.join(newer)} "
+                                 f"{'is' if len(newer) == 1 else 'are'} not used (point `latest` at one, or delete it "
+                                 f"to resume from the newest checkpoint that verifies)")
+                dirs = [named] + [p for p in dirs if p != named]
+            else:
+                notes.append(f"checkpoint.resume=auto: {lf} {why}; ignoring it")
+        return dirs, named, notes
+
+    def resolve(self, resume: str) -> Optional[Path]:
+        """The checkpoint to resume from for ``checkpoint.resume`` (``auto`` | ``none`` | a step dir), verified
+        (collective). ``auto``: ``latest`` first, then newest first, skipping damaged ones with a warning;
+        ``None`` when there is none. A damaged explicit path raises ``DamagedCheckpointError``."""
+        if resume == "none":
+            return None
+        if resume != "auto":
+            path = Path(resume).expanduser()
+            v = self.verify(path)
+            if not v.ok:
+                raise DamagedCheckpointError(_explicit_message(v), v.path, v.problems[0][0])
+            self._note_legacy(v)
+            return path
+        plan = None
+        if self.rank == 0:
+            try:
+                plan = self._candidates()
+            except OSError as e:   # still broadcast: the other ranks are waiting for the plan
+                plan = f"checkpoint.dir: cannot list {self.root} ({_os_error(e)}); fix it or set checkpoint.resume"
+        plan = self._broadcast(plan)
+        if isinstance(plan, str):
+            raise CheckpointError(plan)
+        dirs, named, notes = plan
+        tried = []
+        for path in dirs:
+            v = self.verify(path)
+            if v.ok:
+                if self.is_writer:   # the warnings only now: when nothing verifies, the error alone says it all
+                    for line in notes + [f"checkpoint.resume=auto: skipping damaged checkpoint {t.path}: {t.first()}"
+                                         for t in tried]:
+                        _warn(line)
+                    if named is not None and named != path:
+                        _warn(f"checkpoint.resume=auto: resuming from {path} instead of {named.name} named by "
+                              f"{self.root / 'latest'}")
+                self._note_legacy(v)
+                if named != path:
+                    self._write_latest(path.name, quiet=True)
+                return path
+            tried.append(v)
+        if not tried:
+            return None
+        listing = "; ".join(f"{v.path.name} ({v.first()})" for v in tried)
+        which = f"none of the {len(tried)} checkpoints in {self.root} verifies" if len(tried) > 1 else \
+            f"the only checkpoint in {self.root} does not verify"
+        raise NoGoodCheckpointError(
+            f"checkpoint.resume=auto: {which}: {listing}. "
+            f"Restore one from a copy, point checkpoint.resume at a good step dir, or start afresh with "
+            f"checkpoint.resume=none or another checkpoint.dir")
+
+    def _note_legacy(self, v: Verdict) -> None:
+        if v.legacy and self.is_writer:
+            _warn(f"checkpoint {v.path} has no {MANIFEST} (written before checkpoints carried checksums): shard "
+                  f"sizes checked against .metadata, contents not verified")
+
+    # ---- save / load -------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], files: dict[str, str] | None = None) -> Path:
-        """Write ``state`` (DCP) plus small text ``files`` as ``step_<step>``; atomic for readers."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Write ``state`` (DCP) plus small text ``files`` as ``step_<step>`` with a manifest; atomic for
+        readers. Collective: every rank calls it. Raises ``NonFiniteStateError`` (nothing written) or
+        ``CheckpointWriteError`` (temp dir removed, earlier checkpoints untouched, nothing pruned)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"   # same name on every rank
-        if self.is_writer and tmp.exists():
-            shutil.rmtree(tmp)
-        with _single_process_quiet():
-            dcp.save(state, checkpoint_id=str(tmp))
+        bad = [(r, b) for r, b in enumerate(self._all_gather(_guard(lambda: first_nonfinite(state)))) if b]
+        if bad:
+            where = f"{bad[0][1]} (rank {bad[0][0]})" if self.world > 1 else bad[0][1]
+            raise NonFiniteStateError(
+                f"checkpoint: refusing to save step {step}: {where} holds inf or nan, so nothing was written "
+                f"(earlier checkpoints are untouched). Resume from an earlier checkpoint "
+                f"(checkpoint.resume=auto or <step dir>) with a lower optim.lr or checked data")
+
+        err = None   # (message, errno), agreed by all ranks before each collective DCP step
         if self.is_writer:
-            for name, text in (files or {}).items():
-                (tmp / name).write_text(text)
-            _fsync_dir(tmp)
-            if final.exists():                       # re-saving a step: swap the old one out first
-                old = self.root / f".tmp-old-{final.name}-{os.getpid()}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as e:
+                err = (_os_error(e), e.errno)
+        err = self._broadcast(err)
+        digests: dict[str, tuple[int, str]] = {}
+        if err is None:
+            writer = _Writer(str(tmp))
+            try:
+                with _single_process_quiet():
+                    dcp.save(state, storage_writer=writer)
+                digests = _digests(tmp, writer.written())   # this rank's shards: still in the page cache
+            except CheckpointException as e:      # raised on every rank when any rank failed
+                err = _from_checkpoint_exception(e)
+            except OSError as e:
+                err = (f"rank {self.rank}: {_os_error(e)}", e.errno)
+            gathered = self._all_gather((digests, err))
+            err = next((g[1] for g in gathered if g[1] is not None), None)
+            if err is None and self.is_writer:
+                for d, _ in gathered:
+                    digests.update(d)
+                try:
+                    self._finish(step, tmp, final, files or {}, digests)
+                except OSError as e:
+                    err = (_os_error(e), e.errno)
+                except DamagedCheckpointError as e:
+                    err = (str(e), None)
+            err = self._broadcast(err)
+        if err is not None:
+            if self.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            msg, code = err
+            prev = self.latest()
+            raise CheckpointWriteError(
+                f"checkpoint.dir: saving step {step} to {final} failed: {msg}. The partial save was removed; "
+                f"earlier checkpoints are untouched (newest: {prev if prev else 'none'}) and none was pruned. Free "
+                f"space or fix {self.root}, then resume with checkpoint.resume=auto", code)
+        if self.is_writer:
             self._write_latest(final.name)
-            self._prune()
+            self._prune(final)
         return final
 
-    def load(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
-        """Load in place into ``state`` (tensors are copied into the given ones)."""
+    def _finish(self, step: int, tmp: Path, final: Path, files: dict[str, str],
+                digests: dict[str, tuple[int, str]]) -> None:
+        """Writer rank, after every rank's shards are on disk: small files, manifest (last), rename."""
+        for name, text in files.items():
+            _write_synced(tmp / name, text.encode())
+        problems = _structure_problems(tmp)   # .metadata unpickles and covers shards that exist
+        if problems:
+            v = Verdict(tmp, problems)
+            raise DamagedCheckpointError(f"the written checkpoint does not verify: {v.first()}", tmp, problems[0][0])
+        entries = {}
+        for p in sorted(tmp.iterdir()):
+            if p.name == MANIFEST or not p.is_file():
+                continue
+            size, digest = digests[p.name] if p.name in digests else file_digest(p)
+            if size != p.stat().st_size:
+                raise DamagedCheckpointError(f"{p} changed size while being saved", tmp, p.name)
+            entries[p.name] = {"size": size, HASH: digest}
+        manifest = {"format": MANIFEST_FORMAT, "step": step, "algorithm": HASH,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": entries}
+        _write_synced(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        _fsync_dir(tmp)
+        if final.exists():                       # re-saving a step: swap the old one out first
+            old = self.root / f".tmp-old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any], verify: bool = True) -> None:
+        """Load in place into ``state`` (tensors are copied into the given ones). Verifies first unless
+        ``verify=False`` (the caller did, e.g. with ``resolve``)."""
         path = Path(path).expanduser()
-        if not (path / ".metadata").is_file():
-            raise FileNotFoundError(
-                f"{path} is not a complete checkpoint (no .metadata); point checkpoint.resume at a step_* dir")
-        check_complete(path)
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path))
+        if verify:
+            v = self.verify(path)
+            if not v.ok:
+                raise DamagedCheckpointError(_explicit_message(v), v.path, v.problems[0][0])
+        reader = _Reader(str(path))
+        try:
+            with _single_process_quiet():
+                dcp.load(state, storage_reader=reader)
+        except CheckpointException as e:
+            exc = next((f[0] for f in e.failures.values()), None)
+            if isinstance(exc, DamagedCheckpointError):
+                raise DamagedCheckpointError(str(exc), exc.path, exc.file) from None
+            raise DamagedCheckpointError(
+                f"checkpoint.resume: checkpoint {path} could not be loaded ({_oneline(exc) if exc else e}). "
+                f"Resume from another checkpoint (checkpoint.resume=<another step dir> or none)", path) from e
 
-    def _write_latest(self, name: str) -> None:
-        tmp = self.root / f".latest-{os.getpid()}"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, self.root / "latest")
+    def _write_latest(self, name: str, quiet: bool = False) -> None:
+        """Point ``latest`` at ``name``; if that fails, remove ``latest`` (never leave it stale)."""
+        if not self.is_writer:
+            return
+        lf, tmp = self.root / "latest", self.root / f".latest-{os.getpid()}"
+        try:
+            if lf.is_file() and lf.read_text().strip() == name:
+                return
+            _write_synced(tmp, (name + "\n").encode())
+            os.replace(tmp, lf)
+        except OSError as e:
+            for p in (tmp, lf):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            if not quiet:
+                _warn(f"could not update {lf} ({_os_error(e)}); removed it, so checkpoint.resume=auto takes the "
+                      f"newest checkpoint that verifies")
 
-    def _prune(self) -> None:
-        if self.keep > 0:
-            for p in self.complete()[:-self.keep]:
-                shutil.rmtree(p, ignore_errors=True)
+    def _prune(self, saved: Path) -> None:
+        """Keep ``saved`` (just written and verified) and the ``keep - 1`` newest older ones; never touch a
+        dir newer than ``saved`` (another timeline after a rollback, or damaged: the user's to judge)."""
+        if self.keep <= 0:
+            return
+        older = [p for p in reversed(self.complete()) if _step_of(p) < _step_of(saved)]
+        for p in older[self.keep - 1:]:
+            shutil.rmtree(p, ignore_errors=True)
 
 
-class TornCheckpointError(ConfigError):
-    """``checkpoint.resume`` points at a checkpoint whose files are not all there (exits 2, one line)."""
+# ---- helpers -----------------------------------------------------------------------------------------
+class _Writer(dcp.FileSystemWriter):
+    """Remembers the files this rank wrote (to hash them while they are in the page cache)."""
+
+    def write_data(self, plan, planner):
+        self._fut = super().write_data(plan, planner)
+        return self._fut
+
+    def written(self) -> list[str]:
+        fut = getattr(self, "_fut", None)
+        if fut is None:
+            return []
+        return sorted({r.storage_data.relative_path for r in fut.value()
+                       if getattr(r.storage_data, "relative_path", None)})
 
 
-def check_complete(path: Path) -> None:
-    """Every data file that ``.metadata`` points to exists and is long enough (a shard lost or cut short
-    after the save — a copy that missed a file, a full disk — fails here, naming the file, instead of
-    loading a partial state or failing deep inside DCP)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    need: dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            need[rel] = max(need.get(rel, 0), info.offset + info.length)
-    for rel, size in sorted(need.items()):
-        f = path / rel
-        if not f.is_file():
-            raise TornCheckpointError(
-                f"checkpoint.resume: checkpoint {path} is incomplete: shard file {rel} is missing ({len(need)} files expected). "
-                f"Restore it, or resume from another checkpoint (checkpoint.resume=<step dir> or "
-                f"checkpoint.resume=none)")
-        if f.stat().st_size < size:
-            raise TornCheckpointError(
-                f"checkpoint.resume: checkpoint {path} is incomplete: shard file {rel} has {f.stat().st_size} bytes, the metadata "
-                f"needs {size}. Restore it, or resume from another checkpoint (checkpoint.resume=<step dir> or "
-                f"checkpoint.resume=none)")
+class _Reader(dcp.FileSystemReader):
+    """Names the shard file in a read error (DCP's own error names no file)."""
+
+    def read_data(self, plan, planner):
+        self._current = None
+        try:
+            return super().read_data(plan, planner)
+        except Exception as e:
+            f = self._current
+            where = f"{Path(str(self.path)) / f}" if f else f"a shard of {self.path}"
+            raise DamagedCheckpointError(
+                f"checkpoint.resume: {where} cannot be read ({_oneline(e)}). Restore it, or resume from another "
+                f"checkpoint (checkpoint.resume=<another step dir> or none)", Path(str(self.path)), f) from e
+
+    def _slice_file(self, file, sinfo):
+        self._current = sinfo.relative_path
+        return super()._slice_file(file, sinfo)
+
+
+def _guard(fn):
+    try:
+        return fn()
+    except Exception as e:   # the result goes into a collective: an error must not skip it
+        return f"<could not be checked: {_oneline(e)}>"
+
+
+def _from_checkpoint_exception(e: CheckpointException) -> tuple[str, int | None]:
+    for rank, (exc, _) in sorted(e.failures.items()):
+        cur: BaseException | None = exc
+        while cur is not None:   # the OSError may be wrapped
+            if isinstance(cur, OSError):
+                return f"rank {rank}: {_os_error(cur)}", cur.errno
+            cur = cur.__cause__ or cur.__context__
+    rank, (exc, _) = sorted(e.failures.items())[0]
+    return f"rank {rank}: {_oneline(exc)}", None
+
+
+def _dist():
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        return torch.distributed
+    return None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
-    for p in [*path.iterdir(), path]:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
+    """fsync a directory (its entries: renames, new files). Its files are synced one by one when written
+    (DCP's ``sync_files``, ``_write_synced``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -155,3 +687,27 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.checkpoint PATH...``: verify step dirs (or every step dir of a checkpoint.dir)."""
+    paths = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    if not paths:
+        print("usage: python -m trainer.checkpoint <step dir | checkpoint.dir> ...", file=sys.stderr)
+        return 2
+    bad = 0
+    for p in paths:
+        targets = [p] if STEP_DIR.match(p.name) or (p / ".metadata").exists() else \
+            CheckpointManager(p, is_writer=False).step_dirs()
+        for t in targets:
+            v = verify_local(t)
+            if v.ok:
+                print(f"ok       {t}{' (no manifest: sizes only)' if v.legacy else ''}")
+            else:
+                bad += 1
+                print(f"DAMAGED  {t}: {v.first()}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
