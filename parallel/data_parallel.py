@@ -68,6 +68,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight
     return total
 
 
+def all_finite(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """A boolean scalar on ``device``: no inf/nan in any of ``tensors`` (one fused max-abs pass, no host sync)."""
+    if not tensors:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all()
+
+
 def all_reduce_mean(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     if dims.dp > 1:
         values = values.clone()

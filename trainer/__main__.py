@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -13,6 +14,7 @@ from omegaconf import DictConfig
 
 from configs.schema import register, to_object, validate
 from models.config import ConfigError
+from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, TrainingError
 
 register()
 
@@ -32,7 +34,8 @@ def _init_distributed(cfg):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     p = cfg.parallel
-    dims = ParallelDims(world_size=world, rank=rank, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
+    dims = ParallelDims(world_size=world, rank=rank, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node,
+                        timeout_s=p.timeout_s)
     if world > 1:
         from datetime import timedelta
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=p.timeout_s))
@@ -60,14 +63,28 @@ def main(dcfg: DictConfig) -> None:
         trainer = Trainer(cfg, _shared_run_dir(HydraConfig.get().runtime.output_dir, dims), dims, device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     try:
-        trainer.train()
-    finally:
-        if dims.world_size > 1:
-            import torch.distributed as dist
-            dist.barrier()
-            dist.destroy_process_group()
+        summary = trainer.train()
+    except TrainingError as e:        # one line naming rank, step, phase; no barrier that would wait out peers
+        _exit_now(f"error: {e}", EXIT_FAILED)
+    except ConfigError as e:
+        _exit_now(f"error: {e}", EXIT_CONFIG)
+    except BaseException:             # a bug or an unexpected failure: this rank's traceback, at once
+        _exit_now(f"rank {dims.rank}: training failed:\n{traceback.format_exc()}", EXIT_FAILED)
+    if dims.world_size > 1:
+        import torch.distributed as dist
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(EXIT_STOPPED if summary.get("stopped") else EXIT_OK)
+
+
+def _exit_now(message: str, code: int) -> None:
+    """Print and leave without waiting for peers (a barrier or process-group teardown could block until
+    their timeout). torchrun then stops the other ranks; under srun they fail at their next collective."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -32,15 +32,27 @@ MFU = tokens_per_s * FLOPs per token / (world size * peak FLOP/s per device). Th
 tensor-core FLOP/s from ``PEAK_FLOPS`` by device name, or ``$DSV3_PEAK_TFLOPS`` (TFLOP/s per device;
 set it for a GPU not in the table, or to compare a CPU against a peak you choose).
 
+``metrics.jsonl`` / ``eval.jsonl`` hold one strict-JSON line per step (non-finite numbers as ``null``). A run
+that resumes from a checkpoint at step k first cuts both files back to step k, so the steps it redoes appear
+once. The W&B run id is chosen once per run lineage (``$WANDB_RUN_ID``, else the id saved in the checkpoint
+being resumed, else a new one), written into every checkpoint (``wandb_run_id.txt``) and passed to
+``wandb.init(id=..., resume="allow")``: a resumed run continues the same W&B run. Offline, every start writes
+its own ``offline-run-<time>-<id>`` dir with that id; ``wandb sync`` uploads them in order into one run.
+
 Offline runs can be read back without network with ``read_offline_run`` (parses the ``.wandb``
-transaction log with wandb's own protobuf records).
+transaction log with wandb's own protobuf records). ``close()`` returns only once W&B's service has written
+the whole log: ``wandb.finish()`` does not wait for that (see ``_wait_for_transaction_log``).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import secrets
 import struct
 import sys
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +66,8 @@ PEAK_FLOPS: list[tuple[str, float]] = [
     ("H20", 148e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
 ]
 PER_RANK_LIMIT = 64   # log memory/rank<r>_peak_gb for worlds up to this size
+RUN_ID_FILE = "wandb_run_id.txt"   # in every checkpoint dir: the W&B run id of the run that wrote it
+WANDB_CLOSE_TIMEOUT_S = 120.0      # how long close() waits for W&B's service to write the run's log
 
 
 # ---- derived quantities --------------------------------------------------------------------------
@@ -155,22 +169,92 @@ def _human(x: float) -> str:
     return f"{x:.3g}"
 
 
+# ---- metrics files, run ids ---------------------------------------------------------------------
+def _finite(x: Any) -> Any:
+    """``x`` with every non-finite float (nan, inf; also inside lists and dicts) replaced by None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def json_line(row: dict) -> str:
+    """One strict-JSON line: nan/inf become ``null`` (Python's json would write bare ``NaN``)."""
+    return json.dumps(_finite(row), allow_nan=False)
+
+
+def cut_back(path: Path, start_step: int) -> int:
+    """Rewrite a ``metrics.jsonl``-style file keeping the lines of steps <= ``start_step`` (none when the run
+    starts at step 0): a resumed run redoes the later steps. Lines that do not parse (cut short when a run was
+    killed mid-write) go too; kept lines are rewritten as strict JSON. Atomic (temp file + rename). Returns the
+    number of lines dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            keep = start_step > 0 and int(row["step"]) <= start_step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(json_line(row))
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def new_run_id() -> str:
+    """A W&B-style run id (8 characters of [0-9a-z]). From ``secrets``: the ``random`` module's state is part
+    of the checkpoint and must not move."""
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def saved_run_id(checkpoint: str | Path | None) -> str | None:
+    """The W&B run id a checkpoint dir was written with (``wandb_run_id.txt``), or None (none saved there)."""
+    if checkpoint is None:
+        return None
+    try:
+        return (Path(checkpoint) / RUN_ID_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
 # ---- the logger ----------------------------------------------------------------------------------
 class MetricsLogger:
     """One per rank; only rank 0 (``is_main``) writes. ``config_dict`` is the full run config as a dict;
     ``device`` and ``world_size`` give MFU and per-rank numbers. ``heatmap_every``: steps between expert-load
-    heatmaps (default ``total_steps // 20``; one is also drawn at the end)."""
+    heatmaps (default ``total_steps // 20``; one is also drawn at the end).
+
+    ``start_step``: the step the run starts from (the resumed checkpoint's); ``metrics.jsonl`` and
+    ``eval.jsonl`` are first cut back to it. ``run_id``: the W&B run id saved in that checkpoint
+    (``saved_run_id``); ``$WANDB_RUN_ID`` overrides it, and without either a new id is drawn. The id is
+    ``self.run_id`` (rank 0), for the trainer to save with each checkpoint."""
 
     def __init__(self, run_dir: Path, wandb_cfg, config_dict: dict, total_steps: int, start_step: int,
                  progress: bool = True, is_main: bool = True, *, device: torch.device | None = None,
-                 world_size: int = 1, heatmap_every: int | None = None):
+                 world_size: int = 1, heatmap_every: int | None = None, run_id: str | None = None):
         self.is_main = is_main
         self.run_dir = Path(run_dir)
         self.world_size = world_size
         self.total_steps = total_steps
         self.heatmap_every = heatmap_every or max(1, total_steps // 20)
-        self._file = open(self.run_dir / "metrics.jsonl", "a") if is_main else None
-        self._eval_file = open(self.run_dir / "eval.jsonl", "a") if is_main else None
+        self.run_id = (os.environ.get("WANDB_RUN_ID") or run_id or new_run_id()) if is_main else None
+        self._file = self._eval_file = None
+        if is_main:
+            cut = {name: cut_back(self.run_dir / name, start_step) for name in ("metrics.jsonl", "eval.jsonl")}
+            self._file = open(self.run_dir / "metrics.jsonl", "a")
+            self._eval_file = open(self.run_dir / "eval.jsonl", "a")
         self.wandb = None
         self.bar = None
         self._load_sum: list[torch.Tensor] | None = None
@@ -183,6 +267,9 @@ class MetricsLogger:
         self.step_tokens = config_dict["train"]["global_batch_size"] * config_dict["data"]["seq_len"]
         self.flops, self.peak, self.peak_src, self.static = None, None, "", {}
         self._derive(config_dict, device)
+        if any(cut.values()):
+            self.write(f"metrics: starting at step {start_step}: dropped the lines after it ("
+                       + ", ".join(f"{n} from {name}" for name, n in cut.items() if n) + "); those steps are redone")
         if wandb_cfg.mode != "disabled":
             self.wandb = self._init_wandb(wandb_cfg, config_dict)
         if progress:
@@ -222,8 +309,10 @@ class MetricsLogger:
             self.write("logging.wandb.mode=online but neither WANDB_API_KEY nor a `wandb login` was found: logging "
                        f"offline to {self.run_dir / 'wandb'} (upload later with `wandb sync`)")
             mode = "offline"
+        # One W&B run per run lineage: a resumed run continues it (online; offline, see the module doc).
         run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
-                         tags=list(wandb_cfg.tags), mode=mode, dir=str(self.run_dir), config=config_dict)
+                         tags=list(wandb_cfg.tags), mode=mode, dir=str(self.run_dir), config=config_dict,
+                         id=self.run_id, resume="allow")
         run.summary.update(dict(self.static) |
                            {"throughput/flops_formula": "6*N + 3*(L+D)*H*(d_qk+d_v)*T",
                             "throughput/peak_source": self.peak_src})
@@ -245,7 +334,7 @@ class MetricsLogger:
             return
         row = metrics | self.derived(metrics)
         step = self._last_step = row["step"]
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json_line(row) + "\n")
         self._file.flush()
         self._track(row)
         loads = [x.detach().float().cpu() for x in (expert_load or [])]
@@ -298,7 +387,7 @@ class MetricsLogger:
     def log_eval(self, step: int, val_loss: float) -> None:
         if not self.is_main:
             return
-        self._eval_file.write(json.dumps({"step": step, "val_loss": val_loss}) + "\n")
+        self._eval_file.write(json_line({"step": step, "val_loss": val_loss}) + "\n")
         self._eval_file.flush()
         if self.wandb is not None:
             self.wandb.log({"val/loss": val_loss}, step=step)
@@ -342,7 +431,12 @@ class MetricsLogger:
             if f is not None:
                 f.close()
         if self.wandb is not None:
+            log = Path(self.wandb.settings.sync_file)
             self.wandb.finish()
+            self.wandb = None
+            if not _wait_for_transaction_log(log, WANDB_CLOSE_TIMEOUT_S):
+                self.write(f"metrics: W&B's service had not finished writing {log} after "
+                           f"{WANDB_CLOSE_TIMEOUT_S:.0f}s; the offline run may lack its last records")
 
     @staticmethod
     def _wandb_hist(load: torch.Tensor):
@@ -384,8 +478,10 @@ def _netrc_has_wandb() -> bool:
 # ---- reading offline runs back -------------------------------------------------------------------
 def _wandb_records(path: Path):
     """Raw records of a ``run-<id>.wandb`` file: a 7-byte header (``:W&B``, magic, version), then
-    LevelDB-log blocks of 32 KiB holding chunks with a 7-byte header (crc32, length, type:
-    1 full, 2 first, 3 middle, 4 last); a block tail shorter than a chunk header is zero padding."""
+    LevelDB-log blocks of 32 KiB holding chunks with a 7-byte header (crc32 of type + data, IEEE, unmasked;
+    length; type: 1 full, 2 first, 3 middle, 4 last); a block tail shorter than a chunk header is zero
+    padding. Stops at the first chunk that is cut short or fails its CRC: the end of a log that is still
+    being written (wandb-core writes it in 32 KiB blocks and the rest when the run's stream closes)."""
     data = Path(path).read_bytes()
     if data[:4] != b":W&B":
         raise ValueError(f"{path}: not a W&B transaction log")
@@ -395,8 +491,10 @@ def _wandb_records(path: Path):
         if left < 7:
             pos += left
             continue
-        _crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        crc, length, kind = struct.unpack_from("<IHB", data, pos)
         chunk = data[pos + 7:pos + 7 + length]
+        if len(chunk) < length or zlib.crc32(bytes([kind]) + chunk) != crc:
+            return
         pos += 7 + length
         if kind == 1:
             yield chunk
@@ -410,10 +508,53 @@ def _wandb_records(path: Path):
             raise ValueError(f"{path}: bad chunk type {kind} at byte {pos - 7 - length}")
 
 
+def _record_kinds(log: Path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    for raw in _wandb_records(log):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        yield rec.WhichOneof("record_type")
+
+
+def _log_finished(log: Path) -> bool:
+    """Whether ``log`` (a ``run-<id>.wandb`` file) holds the run's exit record, its last: written out whole."""
+    try:
+        return any(kind == "exit" for kind in _record_kinds(log))
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_for_transaction_log(log: Path, timeout_s: float) -> bool:
+    """Wait until W&B's service has written ``log`` out to its exit record (True), or ``timeout_s`` passed.
+
+    ``wandb.finish()`` returns once the service has handled the exit record, but the transaction log is
+    written through a buffer of 32 KiB blocks that the service flushes only when it closes the run's stream,
+    after the ``inform_finish`` message that ``finish()`` sends without waiting for an answer. So a reader
+    right after ``finish()`` can find only the file header (seen under load: 3 of 5 runs). A log the service
+    does not write (``x_skip_transaction_log``) is not waited for."""
+    end = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        if not log.exists() or _log_finished(log):
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(delay)
+        delay = min(0.2, delay * 2)
+
+
+def offline_run_finished(run_dir: str | Path) -> bool:
+    """Whether the offline run dir's ``run-<id>.wandb`` is complete (holds its exit record)."""
+    files = list(Path(run_dir).glob("run-*.wandb"))
+    return len(files) == 1 and _log_finished(files[0])
+
+
 def read_offline_run(run_dir: str | Path) -> tuple[list[dict], dict]:
     """``(history, summary)`` of an offline run dir (``.../wandb/offline-run-*``): one dict per logged
     step (``_step``, metric names; media such as images as dicts with ``_type`` and ``path``), and the
-    final summary."""
+    final summary. A log still being written (or cut short by a kill) reads up to its last whole record;
+    ``offline_run_finished`` says whether the run's exit record is there."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     run_dir = Path(run_dir)

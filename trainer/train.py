@@ -1,6 +1,7 @@
 """The training loop: one process, one device. Reads as verbs: train_step, evaluate, log, save."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -22,11 +23,12 @@ from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
 from parallel.pipeline.runner import PipelineRunner
 from parallel.state_dict import to_global, to_local
-from parallel.zero import build_optimizer
+from parallel.zero import NonFiniteGradients, build_optimizer
 
 from .checkpoint import CheckpointManager
+from .lifecycle import StopRequests, TrainingError, is_comm_failure
 from .data import PackedBatches, load_corpus, val_batches
-from .metrics import MetricsLogger, rank_memory
+from .metrics import RUN_ID_FILE, MetricsLogger, rank_memory, saved_run_id
 
 
 def pick_device(name: str) -> torch.device:
@@ -58,6 +60,12 @@ class Trainer:
         t = cfg.train
         self.device = device or pick_device(t.device)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision in ("bf16", "fp8"))
+        # Before anything slow: an unwritable checkpoint.dir fails now (one line), not at the first save.
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                      is_writer=self.dims.is_main)
+        if cfg.checkpoint.every or cfg.checkpoint.save_final:
+            self.ckpt.check_writable()
+        self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
         self.corpus = self._load_corpus()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
         self.model = apply_ep(models.build(cfg.model, device=self.device, seed=t.seed), self.dims,
@@ -81,11 +89,13 @@ class Trainer:
         self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
         self.step = 0
         self.tokens = 0
-        ckpt_dir = cfg.checkpoint.dir or self.run_dir / "checkpoints"
-        self.ckpt = CheckpointManager(ckpt_dir, keep=cfg.checkpoint.keep, is_writer=self.dims.is_main)
         self.ckpt.remove_partial()
         self._barrier()
         self.resumed_from = self.maybe_resume()
+        self.stops = StopRequests(self.dims.rank)   # installed by train()
+        self.stop_requested = False
+        self.skipped_in_a_row = 0
+        self._saved_step, self._saved_path = None, None
 
     def _barrier(self) -> None:
         if self.dims.world_size > 1:
@@ -112,15 +122,12 @@ class Trainer:
         return {"model": model_sd, "optim": optim_sd, "extra": extra}
 
     def maybe_resume(self) -> Path | None:
-        resume = self.cfg.checkpoint.resume
-        if resume == "none":
-            return None
-        path = self.ckpt.latest() if resume == "auto" else Path(resume).expanduser()
+        path = self._resume_path   # chosen and verified at start-up (CheckpointManager.resolve)
         if path is None:
             return None
         self._check_model_config(path)
         state = self.state_dict()
-        self.ckpt.load(path, state)
+        self.ckpt.load(path, state, verify=False)
         set_model_state_dict(self.model, to_local(state["model"]))
         self.opt.load_state_dict(state["optim"])   # after the weights: ZeRO rebuilds its master pieces from them
         extra = state["extra"]
@@ -159,6 +166,9 @@ class Trainer:
     def save(self) -> Path:
         files = {"model_config.yaml": yaml.safe_dump(dataclasses.asdict(self.cfg.model), sort_keys=False),
                  "config.yaml": OmegaConf.to_yaml(OmegaConf.structured(self.cfg))}
+        run_id = getattr(getattr(self, "logger", None), "run_id", None)   # rank 0's W&B run id: a resume continues it
+        if run_id:
+            files[RUN_ID_FILE] = run_id + "\n"
         return self.ckpt.save(self.step, self.state_dict(), files)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -166,30 +176,49 @@ class Trainer:
         t = self.cfg.train
         self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
             OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
-            is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size)
+            is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size,
+            run_id=saved_run_id(self.resumed_from))
         self.logger.write(self.memory.line())
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
         summary = {"val_loss_start": None, "val_loss_end": None}
-        if self.step == 0:
+        if not self.val:   # data.val_fraction=0: no validation split (trainer/data.py)
+            self.logger.write("validation off: data.val_fraction=0 holds out no documents, so no val_loss is computed")
+        if self.step == 0 and self.val:
             summary["val_loss_start"] = self.evaluate()
             self.logger.log_eval(0, summary["val_loss_start"])
         start, start_step = time.perf_counter(), self.step
         end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
         metrics = {}
         trace_step = step_from_env()
-        while self.step < end_step:
-            metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
-            if (t.eval_every and self.step % t.eval_every == 0) or self.step == end_step:
-                metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
-                self.logger.log_eval(self.step, metrics["val_loss"])
-            self.logger.log_step(metrics, self._last_load)
-            every = self.cfg.checkpoint.every
-            if every and self.step % every == 0:
-                self.save()
-        if self.cfg.checkpoint.save_final and self.step > start_step and \
-                not (self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0):
-            self.save()
+        self.stops.install()   # SIGTERM / SIGINT / SIGUSR1: checkpoint at the next step boundary, exit 75
+        try:
+            while self.step < end_step:
+                metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
+                if self.stop_requested:   # every rank agreed on it in this step's check
+                    self.logger.log_step(metrics, self._last_load)
+                    path = self._save_once()
+                    self.logger.write(f"stopping at step {self.step} on request ({self.stops.signal or 'a peer'}): "
+                                      f"checkpoint {path}; resume with checkpoint.resume=auto")
+                    summary["stopped"] = self.stops.signal or "peer"
+                    break
+                if self.val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end_step):
+                    metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
+                    self.logger.log_eval(self.step, metrics["val_loss"])
+                self.logger.log_step(metrics, self._last_load)
+                if self.skipped_in_a_row >= t.max_skipped_steps:
+                    raise TrainingError(
+                        f"step {self.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradients "
+                        f"({self._nonfinite_where}; train.max_skipped_steps={t.max_skipped_steps}). The weights are "
+                        f"those of step {self.step - self.skipped_in_a_row}; lower optim.lr, check the data, or resume "
+                        f"from an earlier checkpoint (checkpoint.resume=<step dir>)")
+                every = self.cfg.checkpoint.every
+                if every and self.step % every == 0:
+                    self._save_once()
+        finally:
+            self.stops.restore()
+        if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
+            self._save_once()
         elapsed = time.perf_counter() - start
         steps_done = self.step - start_step
         tok = steps_done * t.global_batch_size * self.cfg.data.seq_len
@@ -201,6 +230,66 @@ class Trainer:
         self.logger.close()
         return summary | {"last": metrics}
 
+    def _save_once(self) -> Path:
+        """Save the current step unless it is already saved."""
+        if self._saved_step != self.step:
+            self._saved_path, self._saved_step = self.save(), self.step
+        return self._saved_path
+
+    def check_step(self, sums: torch.Tensor) -> list[int]:
+        """One reduction per step, before the update: the ranks whose loss or gradients hold inf/nan, and
+        (``self.stop_requested``) whether any rank was asked to stop."""
+        w = self.dims.world_size
+        flags = torch.zeros(w + 1, device=self.device)
+        flags[self.dims.rank] = (~(torch.isfinite(sums).all() & self.opt.grads_finite())).float()
+        flags[w] = float(self.stops.signal is not None)
+        if w > 1:
+            with self.phase("non-finite / stop check (world all-reduce)"):
+                torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        flags = flags.tolist()
+        self.stop_requested = self.stop_requested or flags[w] > 0
+        return [r for r in range(w) if flags[r] > 0]
+
+    def skip_step(self, bad_ranks: list[int], sums: torch.Tensor, n_micro: int, t0: float) -> dict:
+        """A step whose loss or gradients were non-finite somewhere: no update, no LR step, no bias update
+        (its expert loads are dropped); the batch counts as consumed. Stops the run after
+        ``train.max_skipped_steps`` in a row."""
+        t = self.cfg.train
+        self.opt.zero_grad()
+        for moe in self.model.moe_layers():
+            moe.tokens_per_expert.zero_()
+        self._last_load = []
+        self.skipped_in_a_row += 1
+        self.step += 1
+        step_tokens = t.global_batch_size * self.cfg.data.seq_len
+        self.tokens += step_tokens
+        limit = t.max_skipped_steps   # train() stops the run there, after logging this step
+        where = f"rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))}" if bad_ranks else \
+            "the optimizer's gradient norm"
+        self.logger.write(f"step {self.step}: non-finite loss or gradients ({where}): update skipped "
+                          f"({self.skipped_in_a_row} in a row; the run stops at {limit})")
+        self._nonfinite_where = where
+        lm, mtp, aux = all_reduce_mean(sums / n_micro, self.dims).tolist()
+        dt = time.perf_counter() - t0
+        return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "skipped": True,
+                "nonfinite_ranks": bad_ranks, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float("nan"),
+                "tokens": self.tokens, "step_time_s": dt, "tokens_per_s": step_tokens / dt, **self._ep_metrics()}
+
+    @contextlib.contextmanager
+    def phase(self, what: str):
+        """A communication failure inside (a peer that hung or died) ends the run as one line naming this
+        rank, the step and the phase, after what the lower layers named (``parallel/errors.py``)."""
+        try:
+            yield
+        except TrainingError:
+            raise
+        except RuntimeError as e:
+            if not is_comm_failure(e):
+                raise
+            raise TrainingError(f"rank {self.dims.rank}: step {self.step + 1}, {what}: {str(e).splitlines()[0]} "
+                                f"(a peer hung or died; see its own log; parallel.timeout_s="
+                                f"{self.cfg.parallel.timeout_s})") from e
+
     def train_step(self) -> dict:
         t = self.cfg.train
         t0 = time.perf_counter()
@@ -209,40 +298,52 @@ class Trainer:
         input_ids, labels = map(self._to_device, self.batches.next_batch())   # this dp rank's share
         micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
         n_micro = len(micro)
-        if self.pipe is not None:
-            with self.autocast:
-                sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
-            self.pipe.sum_replica_grads(self.model)
-        else:
-            sums = torch.zeros(3, device=self.device)   # on the device: no host sync per micro-batch
-            for ids, lab in micro:
+        with self.phase("forward/backward"):
+            if self.pipe is not None:
                 with self.autocast:
-                    out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
-                self.opt.backward(out.loss / n_micro)
-                sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float()
+                    sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
+                self.pipe.sum_replica_grads(self.model)
+            else:
+                sums = torch.zeros(3, device=self.device)   # on the device: no host sync per micro-batch
+                for ids, lab in micro:
+                    with self.autocast:
+                        out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
+                    self.opt.backward(out.loss / n_micro)
+                    sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float()
+        with self.phase("gradient reduction"):
+            bad_ranks = self.check_step(sums)
+        if bad_ranks:
+            return self.skip_step(bad_ranks, sums, n_micro, t0)
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self.opt.step(self.cfg.optim.grad_clip)   # reduce over dp, clip, update (sharded with ZeRO)
+        try:
+            with self.phase("gradient reduction and optimizer step"):
+                grad_norm = self.opt.step(self.cfg.optim.grad_clip)   # reduce over dp, clip, update (sharded with ZeRO)
+        except NonFiniteGradients:
+            return self.skip_step([], sums, n_micro, t0)
+        self.skipped_in_a_row = 0
         self.scheduler.step()
         self.opt.zero_grad()
-        self._last_load = self.update_expert_bias(gamma)
+        with self.phase("expert-load all-reduce"):
+            self._last_load = self.update_expert_bias(gamma)
         self.step += 1
         step_tokens = t.global_batch_size * self.cfg.data.seq_len
         self.tokens += step_tokens
         # The step's numbers reach the host in one sync (on CUDA: after the step's work is done, so the
         # step time below covers the GPU's work, not only the launches).
-        scalars = [all_reduce_mean(sums / n_micro, self.dims).double(),
-                   torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device).reshape(1)]
-        if self._last_load:
-            loads = torch.stack(self._last_load).double()
-            scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
-        lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()
-        dt = time.perf_counter() - t0
-        return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
-                "grad_norm": grad_norm, "tokens": self.tokens, "step_time_s": dt,
-                "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(), **self._pipeline_metrics(),
-                **rank_memory(self.device, self.dims),
-                **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}}
+        with self.phase("metric reductions"):
+            scalars = [all_reduce_mean(sums / n_micro, self.dims).double(),
+                       torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device).reshape(1)]
+            if self._last_load:
+                loads = torch.stack(self._last_load).double()
+                scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
+            lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()
+            dt = time.perf_counter() - t0
+            return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
+                    "grad_norm": grad_norm, "tokens": self.tokens, "step_time_s": dt,
+                    "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
+                    "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(),
+                    **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
+                    **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}}
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host batch -> device; on CUDA through pinned memory, so the copy runs asynchronously."""

@@ -1,6 +1,8 @@
 """The optimizer a training step talks to, for every layout: ``build_optimizer`` returns an object with
 
     backward(loss)      one micro-batch's backward (non-pipelined path; the pipeline executor runs its own)
+    grads_finite()      a boolean device scalar: no inf/nan in the gradients this rank holds (the trainer
+                        combines every rank's answer in one reduction and skips the update if any is False)
     step(max_norm)      after all micro-batches (and the pipeline's replica sums): reduce gradients over
                         the data-parallel ranks, clip by the global norm, update, bring every rank's
                         parameters up to date; returns the global gradient norm before clipping (a
@@ -27,10 +29,15 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
 
-from ..data_parallel import clip_grad_norm, sync_gradients
+from ..data_parallel import all_finite, clip_grad_norm, sync_gradients
 from ..dims import ParallelDims
 from ..state_dict import to_global, to_local
 from .memory import MemoryReport, account
+
+
+class NonFiniteGradients(FloatingPointError):
+    """Raised by ``step`` when the backend found an inf/nan gradient itself and did not update (DeepSpeed);
+    the trainer treats it like a step its own check skipped."""
 
 
 class Replicated:
@@ -46,6 +53,11 @@ class Replicated:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    @torch.no_grad()
+    def grads_finite(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return all_finite(grads, next(self.model.parameters()).device)
 
     def step(self, max_norm: float) -> float:
         if self.dims.world_size > 1:
@@ -92,4 +104,4 @@ def build_optimizer(model: nn.Module, cfg, dims: ParallelDims, grad_weight: Call
                          bucket_mb=p.zero_bucket_mb, grad_weight=grad_weight)
 
 
-__all__ = ["build_optimizer", "Replicated", "MemoryReport", "account"]
+__all__ = ["build_optimizer", "NonFiniteGradients", "Replicated", "MemoryReport", "account"]

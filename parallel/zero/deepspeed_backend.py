@@ -44,6 +44,7 @@ from models.config import ConfigError
 from ..dims import ParallelDims
 from ..ep import is_expert_param
 from ..state_dict import to_global, to_local
+from . import NonFiniteGradients
 from .memory import MemoryReport, account
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -170,12 +171,17 @@ class DeepSpeedZero:
         z.clip_grad = float(max_norm) if max_norm > 0 else 0.0
         z.step()
         if z.overflow:   # fp32 has no loss scale: a non-finite gradient norm; DeepSpeed skipped the update
-            raise FloatingPointError("deepspeed ZeRO: the gradient norm is not finite (inf/nan); the step was skipped")
+            raise NonFiniteGradients("deepspeed ZeRO: the gradient norm is not finite (inf/nan); the update was skipped")
         norm = z._global_grad_norm
         return float(norm)
 
     def zero_grad(self) -> None:
         self.zopt.zero_grad(set_to_none=True)
+
+    def grads_finite(self) -> torch.Tensor:
+        """Always True here: DeepSpeed reduces the gradients inside ``step`` and checks them itself (its
+        overflow check agrees over the data-parallel ranks); ``step`` then raises ``NonFiniteGradients``."""
+        return torch.ones((), dtype=torch.bool, device=next(self.model.parameters()).device)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def _step_count(self) -> float:

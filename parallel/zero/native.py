@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ..data_parallel import all_finite
 from ..dims import ParallelDims
 from ..ep import is_expert_param
 from .memory import MemoryReport, account
@@ -112,6 +113,7 @@ class ZeroOptimizer:
         self.n_steps = 0
         self._armed = False
         self._reduced = False                # stage 2: this step's gradients went through backward()
+        self._step_reduced = False           # this step's gradients are reduced into the buckets
         self._pending: list = []
         self._next = 0                       # stage 2: index of the next bucket to issue
         self.buckets = self._build_buckets(optim_cfg.weight_decay, bucket_mb, grad_weight)
@@ -243,12 +245,23 @@ class ZeroOptimizer:
 
     def _reduce_all(self) -> None:
         """Every bucket, in the same order on every rank (collectives must match), unless stage 2's
-        backward() already reduced them all."""
+        backward() already reduced them all; once per step (``grads_finite`` may have done it)."""
+        if self._step_reduced:
+            return
         if not self._reduced:
             for b in self.buckets:
                 self._issue(b)
         self._drain()
         self._reduced = False
+        self._step_reduced = True
+
+    @torch.no_grad()
+    def grads_finite(self) -> torch.Tensor:
+        """No inf/nan in this rank's reduced gradient pieces (reduces them now: ``step`` would anyway). A
+        non-finite value anywhere in the dp group lands, summed, in the piece of the rank that owns it."""
+        self._reduce_all()
+        device = self.buckets[0].master.device if self.buckets else "cpu"
+        return all_finite([b.grad for b in self.buckets if b.grad is not None], device)
 
     # ---- the update --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -288,6 +301,7 @@ class ZeroOptimizer:
                 b.exp_avg.copy_(m)
                 b.exp_avg_sq.copy_(v)
             b.grad = None
+        self._step_reduced = False
         self._all_gather()
         self.optimizer.step()
         return norm
@@ -310,7 +324,7 @@ class ZeroOptimizer:
                         s.param.data[s.index[i]] = out[i, s.offset:s.offset + s.numels[i]].view(s.shapes[i])
 
     def zero_grad(self) -> None:
-        self._reduced = False
+        self._reduced = self._step_reduced = False
         for b in self.buckets:
             b.grad = None
             for s in b.slots:

@@ -1,0 +1,72 @@
+"""How a training run ends: exit codes, stop requests from signals, and errors that end a run.
+
+Exit codes of ``python -m trainer`` (every rank):
+
+    0    done (``train.max_steps`` or ``train.stop_at_step`` reached)
+    2    configuration or user error (one line naming the key, file or path)
+    3    the run failed: too many consecutive non-finite steps, or a rank lost its peers (a collective
+         timed out or a peer died); one line per rank naming the rank, group, operation and the
+         pipeline action / MoE layer in progress
+    75   stopped on request (SIGTERM, SIGINT or SIGUSR1): a checkpoint of the last finished step was
+         written; resume with ``checkpoint.resume=auto`` (EX_TEMPFAIL: a scheduler may retry)
+    130  a second SIGINT: exit at once, no checkpoint
+
+A stop request is noted by the signal handler and acted on at the next step boundary: every step the
+ranks agree, in the same reduction that checks for non-finite values, whether any rank was asked to
+stop; then all of them save and exit together. SLURM sends SIGTERM (preemption, ``scancel``, the time
+limit) and, with ``--signal=USR1@<s>``, USR1 ahead of the limit; torchrun forwards SIGTERM/SIGINT to its
+workers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from parallel.errors import is_comm_failure  # noqa: F401  (re-exported for the trainer)
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_FAILED = 3
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on; ``python -m trainer`` prints it as one line and exits ``EXIT_FAILED``."""
+
+
+class StopRequests:
+    """Signal handlers that turn SIGTERM / SIGINT / SIGUSR1 into a request to stop at the next step boundary
+    (``signal``: the first one's name, or None). A second SIGINT exits at once. Installed only from the
+    main thread (Python delivers signals there); ``restore()`` puts the previous handlers back."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.signal: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                print(f"rank {self.rank}: second SIGINT: exiting at once, no checkpoint", file=sys.stderr, flush=True)
+                os._exit(EXIT_INTERRUPTED)
+            return
+        self.signal = name
+        print(f"rank {self.rank}: {name} received: stopping at the end of the current step with a checkpoint "
+              f"(exit code {EXIT_STOPPED}; a second SIGINT exits at once)", file=sys.stderr, flush=True)
