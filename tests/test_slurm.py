@@ -1,10 +1,13 @@
 """SLURM launch on a real scheduler: a one-node cluster on loopback (Debian's slurmctld/slurmd/munge,
-config in a temp dir) runs tools/slurm/train.sbatch with 2 ranks (srun tasks, and srun + torchrun),
-survives a requeue by resuming from its checkpoint, and takes Hydra submitit sweeps. The daemons are
-stopped by PID when the module's tests end (and get SIGTERM if pytest dies: PDEATHSIG).
+config in a temp dir) runs tools/slurm/train.sbatch with 2 ranks (srun tasks, and srun + torchrun). SIGUSR1
+mid-run (what ``#SBATCH --signal=USR1@<s>`` sends before the time limit) makes the ranks save and exit 75,
+the script requeues the job, and the rerun resumes to the same losses as an uninterrupted run, one
+metrics line per step, in the same W&B run. Hydra submitit sweeps run too. The daemons are stopped by PID
+when the module's tests end (and get SIGTERM if pytest dies: PDEATHSIG).
 
 Installs the packages with apt-get when they are missing; skips only where that is impossible."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,12 +17,14 @@ from pathlib import Path
 import pytest
 
 from tools.slurm import local_cluster as lc
+from trainer.metrics import RUN_ID_FILE, read_offline_run
 
-from .trainer_utils import ROOT, read_jsonl
+from .trainer_utils import ROOT, assert_losses_match, read_jsonl, run_torchrun
 
 SBATCH = ROOT / "tools" / "slurm" / "train.sbatch"
-COMMON = ["+exp=tiny", "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=64",
-          "train.eval_batches=1", "train.eval_every=0", "logging.wandb.mode=disabled", "logging.progress=false"]
+SHAPE = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=64", "train.eval_batches=1",
+         "train.eval_every=0"]
+COMMON = ["+exp=tiny", *SHAPE, "logging.wandb.mode=disabled", "logging.progress=false"]
 EP2 = ["parallel.ep=2", "parallel.ranks_per_node=1"]   # two ranks as two "nodes": tokens cross nodes
 
 
@@ -87,54 +92,114 @@ def explain(cluster, info: dict, run: Path) -> str:
     return f"{info.get('JobState')} {info.get('ExitCode')}\n{text}\n{cluster.logs()}"
 
 
-def test_sbatch_two_ranks_requeue_resumes(cluster, tmp_path, cache):
-    """Acceptance: the sbatch job runs 2 ranks (srun tasks), writes metrics, and a requeue resumes it."""
-    run = tmp_path / "run"
-    job = cluster.sbatch(["--ntasks=2", "--job-name=dsv3-ci", str(SBATCH), *COMMON, *EP2, "train.max_steps=16",
-                          "checkpoint.every=2", f"data.cache_dir={cache}"], env=job_env(RUN_DIR=run), cwd=tmp_path)
-    wait_until(lambda: (run / "checkpoints" / "step_00000002").is_dir()
-               or cluster.job_info(job).get("JobState") in lc.TERMINAL, 300, "the first checkpoint")
-    # The time-limit warning (#SBATCH --signal=B:USR1@300): the script's trap requeues the job, which
-    # restarts with the same job id, hence the same RUN_DIR, and checkpoint.resume=auto continues.
-    try:
-        cluster.signal_batch(job, "USR1")
-        cluster.wait_restarted(job)
-        via_trap = True
-    except lc.ClusterError:
-        if cluster.job_info(job).get("JobState") != "COMPLETED":
-            raise
-        cluster.requeue(job)   # a very fast machine finished first: requeue the finished job instead
-        via_trap = False
+def metric_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def signal_mid_run(cluster, job: int, run: Path, after_steps: int, send) -> None:
+    """Once rank 0 has logged ``after_steps`` steps, ``send`` the stop signal; then wait for the restart."""
+    wait_until(lambda: metric_lines(run / "metrics.jsonl") >= after_steps
+               or cluster.job_info(job).get("JobState") in lc.TERMINAL, 300, f"step {after_steps}")
+    assert cluster.job_info(job).get("JobState") == "RUNNING", "the job ended before it could be signalled"
+    send(job, "USR1")
+    cluster.wait_restarted(job, 180)
+
+
+def resumed_step(rank0_log: str) -> int:
+    found = re.findall(r"resumed from \S+/step_(\d{8}) at step (\d+)", rank0_log)
+    assert len(found) == 1, rank0_log[-3000:]
+    assert int(found[0][0]) == int(found[0][1])
+    return int(found[0][1])
+
+
+def test_sbatch_usr1_checkpoints_requeues_and_resumes_like_uninterrupted(cluster, tmp_path, cache):
+    """Acceptance: 2 ranks (srun tasks). SIGUSR1 to the job's steps mid-run, as `#SBATCH --signal=USR1@300`
+    sends it 300 s before the time limit: the ranks finish the step, save a checkpoint (no periodic ones
+    here) and exit 75; the script requeues the job; the rerun (same job id, same RUN_DIR) resumes from that
+    checkpoint. metrics.jsonl then holds each step once, the losses of the two runs together equal an
+    uninterrupted run's, and W&B (offline) got both runs under one run id."""
+    run, steps = tmp_path / "run", 16
+    job = cluster.sbatch(["--ntasks=2", "--job-name=dsv3-ci", str(SBATCH), *COMMON, *EP2, f"train.max_steps={steps}",
+                          "checkpoint.every=0", "logging.wandb.mode=offline", f"data.cache_dir={cache}"],
+                         env=job_env(RUN_DIR=run), cwd=tmp_path)
+    signal_mid_run(cluster, job, run, 2, cluster.signal_steps)
     info = cluster.wait(job, 300)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", explain(cluster, info, run)
     assert info["Restarts"] == "1" and info["NumTasks"] == "2"
 
-    last = {m["step"]: m for m in read_jsonl(run / "metrics.jsonl")}   # steps after the checkpoint appear twice
-    assert sorted(last) == list(range(1, 17))
-    assert all(m["ep_cross_node_tokens"] > 0 for m in last.values())   # both ranks exchanged tokens
-    assert len(last[16]["mem_peak_gb_per_rank"]) == 2
+    job_log = (tmp_path / f"dsv3-ci-{job}.out").read_text()
+    assert "rank exit codes: rank0=75 rank1=75" in job_log and f"requeueing job {job}" in job_log, job_log
+    assert "rank exit codes: rank0=0 rank1=0" in job_log and "restart 1" in job_log, job_log
+    assert "1 node(s) x 2 rank(s) = 2" in job_log
     logs = sorted((run / "logs").glob(f"{job}-rank*.log"))
     assert [p.name for p in logs] == [f"{job}-rank0.log", f"{job}-rank1.log"]
     rank0 = logs[0].read_text(errors="replace")
-    assert "resumed from" in rank0 and "done: step 16/16" in rank0
-    job_log = (tmp_path / f"dsv3-ci-{job}.out").read_text()
-    assert "restart 1" in job_log and ("USR1: time limit near; requeueing" in job_log or not via_trap)
-    assert "1 node(s) x 2 rank(s) = 2" in job_log
-    assert sorted(p.name for p in (run / "checkpoints" / "step_00000016").glob("*.distcp")) == \
+    stop = resumed_step(rank0)
+    assert 2 <= stop < steps and f"stopping at step {stop} on request (SIGUSR1)" in rank0, rank0[-3000:]
+    assert "SIGUSR1 received" in logs[1].read_text(errors="replace")   # every rank got the signal itself
+    assert "done: step 16/16" in rank0
+    assert sorted(p.name for p in (run / "checkpoints" / f"step_{stop:08d}").glob("*.distcp")) == \
         ["__0_0.distcp", "__1_0.distcp"]
 
-
-def test_sbatch_torchrun_launcher(cluster, tmp_path, cache):
-    """LAUNCHER=torchrun: one srun task per node running torchrun with c10d rendezvous."""
-    run = tmp_path / "run"
-    job = cluster.sbatch(["--ntasks=1", "--cpus-per-task=2", "--job-name=dsv3-trun", str(SBATCH), *COMMON, *EP2,
-                          "train.max_steps=3", f"data.cache_dir={cache}"],
-                         env=job_env(RUN_DIR=run, LAUNCHER="torchrun", NPROC_PER_NODE=2), cwd=tmp_path)
-    info = cluster.wait(job, 300)
-    assert info["JobState"] == "COMPLETED", explain(cluster, info, run)
     lines = read_jsonl(run / "metrics.jsonl")
-    assert [m["step"] for m in lines] == [1, 2, 3] and len(lines[-1]["mem_peak_gb_per_rank"]) == 2
-    assert (run / "logs" / f"{job}-node0.log").is_file()
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))   # one line per step across both runs
+    assert all(m["ep_cross_node_tokens"] > 0 for m in lines) and len(lines[-1]["mem_peak_gb_per_rank"]) == 2
+    straight = run_torchrun(tmp_path, "straight", 2, *SHAPE, *EP2, "checkpoint.every=0", f"data.cache_dir={cache}",
+                            steps=steps)
+    assert_losses_match(lines, straight, rel=1e-5)
+
+    # W&B: the requeued run continued the same run id (offline: one dir per start, same id).
+    wandb_runs = sorted((run / "wandb").glob("offline-run-*"), key=lambda p: p.name)
+    assert len(wandb_runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in wandb_runs}) == 1, wandb_runs
+    run_id = wandb_runs[0].name.rsplit("-", 1)[1]
+    assert (run / "checkpoints" / f"step_{stop:08d}" / RUN_ID_FILE).read_text().strip() == run_id
+    histories = [[row["_step"] for row in read_offline_run(p)[0] if "train/loss" in row] for p in wandb_runs]
+    assert histories == [list(range(1, stop + 1)), list(range(stop + 1, steps + 1))]
+
+
+def test_sbatch_torchrun_launcher_usr1_to_batch_script(cluster, tmp_path, cache):
+    """LAUNCHER=torchrun: one srun task per node running torchrun with c10d rendezvous. SIGUSR1 to the batch
+    script (as `--signal=B:USR1@...` would send it) is passed on to the steps; torchrun ignores it (it would
+    die of it otherwise), its workers save and exit 75, the job is requeued and resumes."""
+    run, steps = tmp_path / "run", 6
+    job = cluster.sbatch(["--ntasks=1", "--cpus-per-task=2", "--job-name=dsv3-trun", str(SBATCH), *COMMON, *EP2,
+                          f"train.max_steps={steps}", "checkpoint.every=0", f"data.cache_dir={cache}"],
+                         env=job_env(RUN_DIR=run, LAUNCHER="torchrun", NPROC_PER_NODE=2), cwd=tmp_path)
+    signal_mid_run(cluster, job, run, 1, cluster.signal_batch)
+    info = cluster.wait(job, 300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", explain(cluster, info, run)
+    assert info["Restarts"] == "1"
+    job_log = (tmp_path / f"dsv3-trun-{job}.out").read_text()
+    assert "USR1 to the batch script: passing it on" in job_log and f"requeueing job {job}" in job_log, job_log
+    assert "rank exit codes: rank0=75 rank1=75" in job_log, job_log
+    node_log = (run / "logs" / f"{job}-node0.log").read_text(errors="replace")
+    stop = resumed_step(node_log)
+    assert 1 <= stop < steps and node_log.count("SIGUSR1 received") == 2, node_log[-3000:]   # once per worker
+    lines = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in lines] == list(range(1, steps + 1)) and len(lines[-1]["mem_peak_gb_per_rank"]) == 2
+
+
+def test_sbatch_cancel_saves_and_is_not_requeued(cluster, tmp_path, cache):
+    """scancel (also what the time limit and a preemption send): the ranks get SIGTERM, save at the step
+    boundary and exit 75, but the script does not requeue a job that is being terminated."""
+    run = tmp_path / "run"
+    job = cluster.sbatch(["--ntasks=2", "--job-name=dsv3-cancel", str(SBATCH), *COMMON, *EP2, "train.max_steps=40",
+                          "checkpoint.every=0", f"data.cache_dir={cache}"], env=job_env(RUN_DIR=run), cwd=tmp_path)
+    wait_until(lambda: metric_lines(run / "metrics.jsonl") >= 1
+               or cluster.job_info(job).get("JobState") in lc.TERMINAL, 300, "step 1")
+    r = cluster._run(["scancel", str(job)])
+    assert r.returncode == 0, r.stderr
+    info = cluster.wait(job, 120)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", explain(cluster, info, run)
+    job_log = (tmp_path / f"dsv3-cancel-{job}.out").read_text()
+    assert "rank exit codes: rank0=75 rank1=75" in job_log and "not requeued: the job was terminated" in job_log, \
+        job_log
+    rank0 = (run / "logs" / f"{job}-rank0.log").read_text(errors="replace")
+    found = re.search(r"stopping at step (\d+) on request \(SIGTERM\)", rank0)
+    assert found, rank0[-3000:]
+    stop = int(found.group(1))
+    assert (run / "checkpoints" / f"step_{stop:08d}" / "manifest.json").is_file()
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, stop + 1))
 
 
 def _multirun(cluster, tmp_path, *overrides) -> subprocess.CompletedProcess:

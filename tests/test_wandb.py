@@ -1,8 +1,13 @@
 """W&B dashboards offline: every panel group is logged and read back from the run's .wandb file; the
-expert-load heatmap images exist; MFU, memory per rank, the pipeline bubbles and the final summary line."""
+expert-load heatmap images exist; MFU, memory per rank, the pipeline bubbles and the final summary line.
+``close()`` returns only once the run's .wandb file is written out (also with W&B's service held up), and
+the reader stops at a log's torn end."""
+import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +17,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from configs.schema import register, to_object
-from trainer.metrics import MetricsLogger, panel_name, read_offline_run, simulated_bubble
+from trainer.metrics import (MetricsLogger, offline_run_finished, panel_name, read_offline_run,
+                             simulated_bubble)
 
 from .trainer_utils import ROOT, read_jsonl
 
@@ -91,6 +97,7 @@ def test_logger_unit_bubble_no_peak_and_online_fallback(tmp_path, monkeypatch):
         logger.log_step({"step": step, "loss": 3.0, "tokens_per_s": 1000.0, "step_time_s": 0.5}, loads)
     assert "MFU n/a" in logger.summary()
     logger.close()
+    assert offline_run_finished(offline_run(tmp_path))              # written out when close() returns
     history, summary = read_offline_run(offline_run(tmp_path))     # fell back to offline
     want = simulated_bubble("1f1b", 2, 8 // (2 * 1))               # dp = 2 ranks / pp 2 = 1: 4 micro-batches
     assert history[0]["pipeline/bubble_unit_costs"] == pytest.approx(want) and 0 < want < 1
@@ -108,3 +115,61 @@ def test_panel_names():
     assert panel_name("max_expert_load_over_mean") == "experts/max_over_mean"
     assert panel_name("pipeline_bubble_measured") == "pipeline/bubble_measured"
     assert panel_name("val_loss") == "val/loss"
+
+
+def tiny_config(*overrides: str) -> dict:
+    register()
+    with initialize_config_module("configs", version_base=None):
+        cfg = to_object(compose("config", overrides=["+exp=tiny", *overrides]))
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def offline_cfg() -> SimpleNamespace:
+    return SimpleNamespace(mode="offline", project="t", entity=None, name=None, tags=[])
+
+
+def test_close_waits_for_the_service_to_write_the_offline_log(tmp_path, monkeypatch):
+    """The CI flake: ``wandb.finish()`` returns before W&B's service has written the run's .wandb file. The
+    service buffers the log in 32 KiB blocks and writes the rest when it closes the run's stream, on the
+    ``inform_finish`` message that ``finish()`` sends last without waiting for an answer; on a busy machine
+    the file held only its 7-byte header when the test read it. Here that message reaches the service late,
+    as under load: ``close()`` must still return only with the log complete."""
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    delay_s = 1.5
+    inform_finish = ServiceConnection.inform_finish
+    monkeypatch.setattr(ServiceConnection, "inform_finish",
+                        lambda self, run_id: threading.Timer(delay_s, inform_finish, (self, run_id)).start())
+    logger = MetricsLogger(tmp_path, offline_cfg(), tiny_config(), total_steps=3, start_step=0, progress=False,
+                           device=torch.device("cpu"))
+    for step in (1, 2, 3):
+        logger.log_step({"step": step, "loss": 3.0 - step / 10, "tokens_per_s": 1000.0, "step_time_s": 0.5})
+    t0 = time.monotonic()
+    logger.close()
+    waited = time.monotonic() - t0
+    assert offline_run_finished(offline_run(tmp_path)), "close() returned before the .wandb file was written out"
+    assert waited >= delay_s * 0.9
+    history, summary = read_offline_run(offline_run(tmp_path))
+    assert [row["_step"] for row in history] == [1, 2, 3]
+    assert summary["train/loss"] == pytest.approx(2.7)
+
+
+def test_reader_stops_at_a_torn_end(tmp_path):
+    """A log cut anywhere (a run killed mid-write, a copy of a log being written) reads up to its last whole
+    record, never a garbled one, and is not 'finished'."""
+    (tmp_path / "a").mkdir()
+    logger = MetricsLogger(tmp_path / "a", offline_cfg(), tiny_config(), total_steps=4, start_step=0,
+                           progress=False, device=torch.device("cpu"))
+    for step in (1, 2, 3, 4):
+        logger.log_step({"step": step, "loss": float(step)})
+    logger.close()
+    src = next(offline_run(tmp_path / "a").glob("run-*.wandb"))
+    full, _ = read_offline_run(src.parent)
+    data = src.read_bytes()
+    cut = tmp_path / "cut"
+    for n in range(7, len(data), max(1, len(data) // 97)):
+        cut.mkdir(exist_ok=True)
+        (cut / src.name).write_bytes(data[:n])
+        history, _ = read_offline_run(cut)
+        assert history == full[:len(history)], n
+        assert not offline_run_finished(cut), n

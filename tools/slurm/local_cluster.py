@@ -10,12 +10,15 @@ socket and its own controller/node ports, so two clusters (two pytest workers) d
 system-wide munge or slurm is never touched. ``stop()`` cancels the cluster's jobs, kills processes
 still running under its ``SLURM_CONF`` and then each daemon by the PID it recorded, escalating to
 SIGKILL; daemons started by ``start()`` also get SIGTERM if the starting process dies (PDEATHSIG).
+``KillWait=30`` (SLURM's default): after the SIGTERM of a cancel or time limit the trainer has 30 s to save
+before SIGKILL, as on most clusters.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
+import math
 import os
 import pwd
 import shutil
@@ -58,7 +61,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 MinJobAge=600
-KillWait=5
+KillWait=30
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
@@ -268,13 +271,28 @@ class LocalCluster:
         if r.returncode:
             raise ClusterError(f"scancel --batch --signal={sig} {job_id} failed: {r.stderr.strip()}")
 
+    def signal_steps(self, job_id: int, sig: str = "USR1") -> None:
+        """Send ``sig`` to every process of the job's steps (not the batch script), as ``#SBATCH
+        --signal=USR1@<s>`` does <s> seconds before the time limit."""
+        r = self._run(["scancel", f"--signal={sig}", str(job_id)])
+        if r.returncode:
+            raise ClusterError(f"scancel --signal={sig} {job_id} failed: {r.stderr.strip()}")
+
     def wait_restarted(self, job_id: int, timeout_s: float = 60) -> None:
-        """Wait until a requeued job runs again, making it eligible at once: SLURM holds a requeued job
-        back for a couple of minutes (Reason=BeginTime)."""
+        """Wait until a requeued job runs again, making it eligible early.
+
+        SLURM holds a requeued job back (Reason=BeginTime) for the job-credential lifetime (``AuthInfo``
+        ``cred_expire``, 120 s) because slurmd revoked the job's credential when it killed the first run and
+        refuses any credential of that job created in the same second or earlier (whole seconds:
+        ``ctime <= revoked``). Releasing it with ``StartTime=now`` in the second of the requeue therefore
+        got the restart killed as "non-startable batch job: Job credential revoked" whenever the scheduler
+        placed it before that second ended. So the release waits for the next second after the job is seen
+        pending (the revocation came before that), which makes the new credential strictly newer."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             info = self.job_info(job_id)
             if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
+                time.sleep(max(0.0, math.floor(time.time()) + 1.05 - time.time()))
                 self._run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
             elif info.get("JobState") not in ("COMPLETING", "REQUEUED", "PENDING", None) \
                     and info.get("Restarts", "0") != "0":
