@@ -258,7 +258,75 @@ def test_stopped_peer_makes_the_other_rank_exit_naming_what_it_waited_for(tmp_pa
     assert line.startswith("error: rank 0: step "), line
     assert re.search(pattern, line) and "Timed out" in line and f"parallel.timeout_s={TIMEOUT_S}" in line, line
     assert waited < TIMEOUT_S + 20, waited
-    print(f"{layout}: rank 0 exited {waited:.1f} s after its peer stopped (timeout {TIMEOUT_S} s)")
+    print(f"{layout}: rank 0 exited {waited:.1f} s after its peer stopped (timeout {TIMEOUT_S} s): {line}")
+
+
+def _peer_misses_worker(rank, world, tmp, phase):
+    """EP=2; rank 1 never reaches ``phase`` (it sleeps past the timeout): rank 0 fails with one line naming the
+    phase and, for validation, the MoE layer and EP group it waited in."""
+    import re
+    from parallel.dims import ParallelDims
+    from trainer.lifecycle import TrainingError
+    from trainer.train import Trainer
+    cfg = make_config("logging.wandb.mode=disabled", "logging.progress=false", "train.max_steps=2",
+                      "train.eval_every=0", f"data.cache_dir={tmp}/cache", "parallel.ep=2", "parallel.timeout_s=3",
+                      world_size=world)
+    dims = ParallelDims(world_size=world, rank=rank, ep=2, timeout_s=3).build_groups()
+    trainer = Trainer(cfg, Path(tmp) / "run", dims, torch.device("cpu"))
+    if rank == 1:
+        time.sleep(8)
+        return
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError) as e:
+        if phase == "validation":
+            trainer.train()            # validates before the first step
+        else:
+            trainer.step = 1
+            trainer._save_once()
+    msg = str(e.value)
+    assert time.monotonic() - t0 < 3 + 4, msg
+    want = {"validation": r"^rank 0: step 0, validation before the first step: expert all-to-all of "
+                          r"layers\.\d+\.ffn \(EP group \[0, 1\]\) failed on rank 0",
+            "save": r"^rank 0: step 1, checkpoint save: "}[phase]
+    assert re.search(want, msg) and "a peer hung or died" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("phase", ["validation", "save"])
+def test_peer_missing_from_validation_or_save_is_named(tmp_path, phase):
+    spawn(_peer_misses_worker, 2, tmp_path, str(tmp_path), phase, timeout_s=3)
+
+
+@pytest.mark.slow
+def test_stopped_rank_of_four_makes_every_other_rank_exit(tmp_path):
+    """pp=2 x ep=2 (DualPipe), srun-style: SIGSTOP rank 3. Its EP peer and its pipeline peer time out waiting
+    for it; the ranks that wait only for those then see them gone. Every other rank exits 3 within about
+    ``parallel.timeout_s``, each with its own one-line error."""
+    run = tmp_path / "run"
+    procs = launch_ranks(run, tmp_path / "cache", 4, 400, "parallel.pp=2", "parallel.ep=2", "parallel.schedule=dualpipe",
+                         "train.global_batch_size=16", "train.micro_batch_size=2", f"parallel.timeout_s={TIMEOUT_S}")
+    try:
+        wait_for_steps(run, 2, procs)
+        t0 = time.monotonic()
+        os.kill(procs[3].pid, signal.SIGSTOP)
+        exited = {}
+        while len(exited) < 3 and time.monotonic() - t0 < TIMEOUT_S + 60:
+            for r in range(3):
+                if r not in exited and procs[r].poll() is not None:
+                    exited[r] = time.monotonic() - t0
+            time.sleep(0.05)
+        errs = {r: procs[r].communicate(timeout=30)[1] for r in exited}
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert sorted(exited) == [0, 1, 2], exited
+    for r in range(3):
+        assert procs[r].returncode == EXIT_FAILED, errs[r][-3000:]
+        line = errs[r].strip().splitlines()[-1]
+        assert line.startswith(f"error: rank {r}: step ") and "a peer hung or died" in line, line
+        assert exited[r] < TIMEOUT_S + 20, exited
+    print("4 ranks, rank 3 stopped: ranks 0-2 exited after " +
+          ", ".join(f"{exited[r]:.1f}" for r in range(3)) + f" s (timeout {TIMEOUT_S} s)")
 
 
 def test_killed_peer_makes_the_other_rank_exit_at_once(tmp_path):
@@ -274,6 +342,7 @@ def test_killed_peer_makes_the_other_rank_exit_at_once(tmp_path):
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: rank 0: step ") and "a peer hung or died" in line, line
     assert waited < TIMEOUT_S + 20, waited
+    print(f"killed peer: rank 0 exited {waited:.1f} s later: {line}")
 
 
 def test_stopped_worker_under_torchrun_ends_the_job(tmp_path):

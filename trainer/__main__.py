@@ -4,6 +4,7 @@ Multi-process: ``torchrun --nproc_per_node=N -m trainer ...`` (gloo on CPU, NCCL
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import traceback
@@ -64,12 +65,17 @@ def main(dcfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    # A rank ended by a signal it cannot handle in Python (NCCL's watchdog aborts a rank whose collective timed
+    # out: SIGABRT) prints every thread's Python stack first: the MoE layer or pipeline action it was in.
+    faulthandler.enable(all_threads=True)
     try:
         summary = trainer.train()
     except TrainingError as e:        # one line naming rank, step, phase; no barrier that would wait out peers
         _exit_now(f"error: {e}", EXIT_FAILED)
     except ConfigError as e:
         _exit_now(f"error: {e}", EXIT_CONFIG)
+    except SystemExit:                # a launcher's own signal handler ended the run (submitit: requeue on USR2)
+        raise
     except BaseException:             # a bug or an unexpected failure: this rank's traceback, at once
         _exit_now(f"rank {dims.rank}: training failed:\n{traceback.format_exc()}", EXIT_FAILED)
     if dims.world_size > 1:

@@ -185,7 +185,8 @@ class Trainer:
         if not self.val:   # data.val_fraction=0: no validation split (trainer/data.py)
             self.logger.write("validation off: data.val_fraction=0 holds out no documents, so no val_loss is computed")
         if self.step == 0 and self.val:
-            summary["val_loss_start"] = self.evaluate()
+            with self.phase("validation before the first step", step=0):
+                summary["val_loss_start"] = self.evaluate()
             self.logger.log_eval(0, summary["val_loss_start"])
         start, start_step = time.perf_counter(), self.step
         end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
@@ -203,7 +204,8 @@ class Trainer:
                     summary["stopped"] = self.stops.signal or "peer"
                     break
                 if self.val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end_step):
-                    metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
+                    with self.phase("validation", step=self.step):
+                        metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
                     self.logger.log_eval(self.step, metrics["val_loss"])
                 self.logger.log_step(metrics, self._last_load)
                 if self.skipped_in_a_row >= t.max_skipped_steps:
@@ -215,10 +217,10 @@ class Trainer:
                 every = self.cfg.checkpoint.every
                 if every and self.step % every == 0:
                     self._save_once()
+            if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
+                self._save_once()   # a stop request now changes nothing: this save is the last one anyway
         finally:
             self.stops.restore()
-        if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
-            self._save_once()
         elapsed = time.perf_counter() - start
         steps_done = self.step - start_step
         tok = steps_done * t.global_batch_size * self.cfg.data.seq_len
@@ -233,7 +235,8 @@ class Trainer:
     def _save_once(self) -> Path:
         """Save the current step unless it is already saved."""
         if self._saved_step != self.step:
-            self._saved_path, self._saved_step = self.save(), self.step
+            with self.phase("checkpoint save", step=self.step):
+                self._saved_path, self._saved_step = self.save(), self.step
         return self._saved_path
 
     def check_step(self, sums: torch.Tensor) -> list[int]:
@@ -269,16 +272,19 @@ class Trainer:
         self.logger.write(f"step {self.step}: non-finite loss or gradients ({where}): update skipped "
                           f"({self.skipped_in_a_row} in a row; the run stops at {limit})")
         self._nonfinite_where = where
-        lm, mtp, aux = all_reduce_mean(sums / n_micro, self.dims).tolist()
+        with self.phase("metric reductions", step=self.step):
+            lm, mtp, aux = all_reduce_mean(sums / n_micro, self.dims).tolist()
+            ep = self._ep_metrics()
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "skipped": True,
                 "nonfinite_ranks": bad_ranks, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float("nan"),
-                "tokens": self.tokens, "step_time_s": dt, "tokens_per_s": step_tokens / dt, **self._ep_metrics()}
+                "tokens": self.tokens, "step_time_s": dt, "tokens_per_s": step_tokens / dt, **ep}
 
     @contextlib.contextmanager
-    def phase(self, what: str):
+    def phase(self, what: str, step: int | None = None):
         """A communication failure inside (a peer that hung or died) ends the run as one line naming this
-        rank, the step and the phase, after what the lower layers named (``parallel/errors.py``)."""
+        rank, the step (default: the one in progress) and the phase, after what the lower layers named
+        (``parallel/errors.py``)."""
         try:
             yield
         except TrainingError:
@@ -286,7 +292,7 @@ class Trainer:
         except RuntimeError as e:
             if not is_comm_failure(e):
                 raise
-            raise TrainingError(f"rank {self.dims.rank}: step {self.step + 1}, {what}: {str(e).splitlines()[0]} "
+            raise TrainingError(f"rank {self.dims.rank}: step {self.step + 1 if step is None else step}, {what}: {str(e).splitlines()[0]} "
                                 f"(a peer hung or died; see its own log; parallel.timeout_s="
                                 f"{self.cfg.parallel.timeout_s})") from e
 
@@ -330,7 +336,7 @@ class Trainer:
         self.tokens += step_tokens
         # The step's numbers reach the host in one sync (on CUDA: after the step's work is done, so the
         # step time below covers the GPU's work, not only the launches).
-        with self.phase("metric reductions"):
+        with self.phase("metric reductions", step=self.step):
             scalars = [all_reduce_mean(sums / n_micro, self.dims).double(),
                        torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device).reshape(1)]
             if self._last_load:
