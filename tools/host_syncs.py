@@ -36,6 +36,9 @@ EXPECTED: dict[tuple[str, str, str], str] = {
         "the expert copies to forward inside the node: their number depends on the routing",
     ("parallel/ep/dispatch.py", "plan_forward", "tolist"):
         "split sizes of the intra-node hop (hierarchical dispatcher)",
+    ("trainer/train.py", "check_step", "tolist"):
+        "once per step, before the update: whether any rank's loss or gradients are non-finite (the update is "
+        "skipped) or a stop was requested; host control flow, one world all-reduce (as Megatron's found-inf check)",
     ("trainer/train.py", "train_step", "tolist"):
         "once per step: the step's loss, grad norm and load imbalance reach the host for the logs",
     ("trainer/train.py", "_ep_metrics", "tolist"):

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from configs.schema import register, to_object, validate
 from models.config import ConfigError
-from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, TrainingError
+from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, TrainingError
 
 register()
 
@@ -82,7 +82,10 @@ def main(dcfg: DictConfig) -> None:
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
-    sys.exit(EXIT_STOPPED if summary.get("stopped") else EXIT_OK)
+    if summary.get("stopped"):
+        sys.exit(EXIT_STOPPED)
+    # Done: return (exit code 0). Launchers that run this function in their own process (Hydra's submitit
+    # launcher) wait for its return value; a SystemExit here would leave them waiting for a result.
 
 
 def _exit_now(message: str, code: int) -> None:
