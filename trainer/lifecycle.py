@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 from parallel.errors import is_comm_failure  # noqa: F401  (re-exported for the trainer)
@@ -64,9 +63,15 @@ class StopRequests:
         name = signal.Signals(signum).name
         if self.signal is not None:
             if signum == signal.SIGINT:
-                print(f"rank {self.rank}: second SIGINT: exiting at once, no checkpoint", file=sys.stderr, flush=True)
+                _say(f"rank {self.rank}: second SIGINT: exiting at once, no checkpoint")
                 os._exit(EXIT_INTERRUPTED)
             return
         self.signal = name
-        print(f"rank {self.rank}: {name} received: stopping at the end of the current step with a checkpoint "
-              f"(exit code {EXIT_STOPPED}; a second SIGINT exits at once)", file=sys.stderr, flush=True)
+        _say(f"rank {self.rank}: {name} received: stopping at the end of the current step with a checkpoint "
+             f"(exit code {EXIT_STOPPED}; a second SIGINT exits at once)")
+
+
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler: straight to the file descriptor, since the handler may run
+    while the main thread is inside a write to ``sys.stderr`` (a reentrant write would raise)."""
+    os.write(2, (line + "\n").encode())
