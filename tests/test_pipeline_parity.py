@@ -1,6 +1,8 @@
 """Pipeline executor (every schedule) against the single-device model, on gloo/CPU processes:
 per-micro-batch losses equal, gradients equal (cosine distance < 1e-10), also with EP=2 inside."""
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from parallel.data_parallel import sync_gradients
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
 from parallel.pipeline.executor import PipelineExecutor
+from parallel.errors import P2PError
 from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.replicas import ReplicaSync
 from parallel.pipeline.schedules import Kind, get_schedule
@@ -85,9 +88,11 @@ def test_pipeline_matches_single_device(tmp_path, schedule, pp, ep, world, n_mb)
     spawn(_worker, world, tmp_path, schedule, pp, ep, n_mb)
 
 
-def _reordered_worker(rank, world, strict):
+def _reordered_worker(rank, world, strict, out=None):
     """DualPipe pp=2 with rank 1's two back-to-back receives from rank 0 (an activation and a gradient of
-    the same shape) swapped: a FIFO mistake that tag matching would have hidden."""
+    the same shape) swapped: a FIFO mistake that tag matching would have hidden. A strict-mode error is also
+    written to ``out``/rank<r>.err: once rank 1 fails, rank 0 fails too (its peer is gone), and which of the two
+    errors ``spawn`` reports depends on timing."""
     dims = ParallelDims(world_size=world, rank=rank, pp=2).build_groups()
     cfg = ModelConfig(**CFG)
     ref = build(cfg, seed=0).train()
@@ -105,8 +110,13 @@ def _reordered_worker(rank, world, strict):
                  if a.kind is b.kind is Kind.RECV and a.peer == b.peer and a.payload is not b.payload)
         actions[i], actions[i + 1] = actions[i + 1], actions[i]
     ex = PipelineExecutor(stages, actions, PipeChannels(dims, strict=strict), 2, cfg.dim)
-    ex.step([(ids[i * rows:(i + 1) * rows, :-1], ids[i * rows:(i + 1) * rows, 1:]) for i in range(n_mb)],
-            1.0 / n_mb, 0.3, 0.01)
+    try:
+        ex.step([(ids[i * rows:(i + 1) * rows, :-1], ids[i * rows:(i + 1) * rows, 1:]) for i in range(n_mb)],
+                1.0 / n_mb, 0.3, 0.01)
+    except P2PError as e:
+        if out is not None:
+            Path(out, f"rank{rank}.err").write_text(str(e))
+        raise
     ReplicaSync(cfg, "dualpipe", dims).sum_grads(model)
     worst = max(cos_dist(g, g_ref) for _, g, g_ref in grads_with_reference(model, ref, dims))
     worst = torch.tensor([worst], dtype=torch.float64)
@@ -115,10 +125,12 @@ def _reordered_worker(rank, world, strict):
 
 
 def test_reordered_receives_fail_in_strict_mode(tmp_path):
-    with pytest.raises(Exception, match=r"NCCL-strict p2p: pipeline rank 1 \(global 1\) expected grad of micro-batch "
-                                        r"\d stage 1 .* from pipeline rank 0 \(global 0\), but that rank sent act of "
-                                        r"micro-batch \d stage 0"):
-        spawn(_reordered_worker, 2, tmp_path, True)
+    with pytest.raises(Exception):
+        spawn(_reordered_worker, 2, tmp_path, True, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("rank*.err")) == ["rank1.err"]
+    assert re.search(r"NCCL-strict p2p: pipeline rank 1 \(global 1\) expected grad of micro-batch \d stage 1 .* from "
+                     r"pipeline rank 0 \(global 0\), but that rank sent act of micro-batch \d stage 0",
+                     (tmp_path / "rank1.err").read_text())
 
 
 def test_reordered_receives_pair_in_issue_order(tmp_path):
