@@ -40,11 +40,21 @@ class ParallelConfig:
 
 
 @dataclass
+class LRPhase:
+    """One phase of ``optim.decay=phases``: lasts ``tokens`` and moves from the previous phase's end value
+    (``optim.lr`` for the first) to ``lr``."""
+    tokens: float = 0.0         # length in consumed tokens, > 0
+    lr: float = 0.0             # value at the end (throughout, for constant)
+    shape: str = "constant"     # constant | linear | cosine
+
+
+@dataclass
 class OptimConfig:
     lr: float = 3e-3            # peak learning rate
     min_lr: float = 3e-4        # end of the cosine decay
     warmup_steps: int = 20      # linear warmup from 0
-    decay: str = "cosine"       # cosine | constant (after warmup)
+    decay: str = "cosine"       # cosine | constant (after warmup, over train.max_steps) | phases (optim.phases, by tokens)
+    phases: list[LRPhase] = field(default_factory=list)   # decay=phases: consecutive phases (V3: configs/schedule/v3.yaml)
     weight_decay: float = 0.1   # applied to matrices and embeddings, not to norms
     beta1: float = 0.9          # AdamW first-moment decay, in [0, 1)
     beta2: float = 0.95         # AdamW second-moment decay, in [0, 1)
@@ -71,6 +81,15 @@ class Piecewise:
 
 
 @dataclass
+class BatchRamp:
+    """Batch-size ramp-up: ``start`` sequences per step, growing by ``increment`` evenly over the first
+    ``tokens`` consumed tokens to ``train.global_batch_size`` (V3: 3,072 -> 15,360 over 469B tokens)."""
+    start: Optional[int] = None       # None: no ramp
+    increment: Optional[int] = None   # None: start (every size is then a multiple of start)
+    tokens: float = 0.0
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 200              # optimizer steps; the LR schedule spans these
     stop_at_step: Optional[int] = None  # exit after this step (e.g. a job's time slice); resume continues
@@ -86,7 +105,15 @@ class TrainConfig:
     bias_update_speed: Piecewise = field(default_factory=lambda: Piecewise(value=0.001))
     # MTP loss weight lambda (V3: 0.3 for the first 10T tokens, then 0.1).
     mtp_loss_weight: Piecewise = field(default_factory=lambda: Piecewise(value=0.3))
+    batch_ramp: BatchRamp = field(default_factory=BatchRamp)
     max_skipped_steps: int = 3        # consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops with an error
+
+
+@dataclass
+class BlendSource:
+    path: str = "???"                 # a tools.prepare_data output dir, or a Megatron-LM prefix (foo for foo.bin/.idx)
+    weight: float = 1.0               # share of the samples, relative to the other sources' weights
+    name: Optional[str] = None        # label in metrics (default: the path's last component)
 
 
 @dataclass
@@ -97,6 +124,10 @@ class DataConfig:
     text_field: str = "text"
     val_fraction: float = 0.05        # share of documents held out for validation, in [0, 1); 0 = no validation
     cache_dir: str = "~/.cache/dsv3-train"
+    # Token datasets (python -m tools.prepare_data, or Megatron-LM .bin/.idx prefixes; docs/data.md), read
+    # memory-mapped: [{path, weight}, ...]. Replaces data.path / tokenizer / text_field / val_fraction.
+    blend: list[BlendSource] = field(default_factory=list)
+    val_blend: list[BlendSource] = field(default_factory=list)   # validation sources (val_loss per source); empty: none
 
 
 @dataclass
@@ -194,6 +225,52 @@ def _check_piecewise(key: str, pw: Piecewise) -> None:
                           "set then (the value after the switch) or clear them")
 
 
+def _check_phases(o: OptimConfig) -> None:
+    if o.decay == "phases" and not o.phases:
+        raise ConfigError("optim.phases: optim.decay=phases needs at least one phase {tokens, lr, shape}")
+    if o.decay != "phases" and o.phases:
+        raise ConfigError(f"optim.phases: set, but optim.decay={o.decay} ignores them; set optim.decay=phases")
+    for i, ph in enumerate(o.phases):
+        _need(f"optim.phases[{i}].tokens", ph.tokens, _finite(ph.tokens) and ph.tokens > 0, "finite and > 0")
+        _need(f"optim.phases[{i}].lr", ph.lr, _finite(ph.lr) and ph.lr >= 0, "finite and >= 0")
+        _one_of(f"optim.phases[{i}].shape", ph.shape, ("constant", "linear", "cosine"))
+
+
+def _check_ramp(t: TrainConfig) -> None:
+    r = t.batch_ramp
+    if r.start is None:
+        if r.increment is not None or r.tokens:
+            raise ConfigError("train.batch_ramp.start: null (no ramp) but increment/tokens are set; set start")
+        return
+    _need("train.batch_ramp.start", r.start, 0 < r.start < t.global_batch_size,
+          f"> 0 and < train.global_batch_size ({t.global_batch_size})")
+    inc = r.increment if r.increment is not None else r.start
+    _need("train.batch_ramp.increment", inc, inc > 0, "> 0 (or null: the start value)")
+    if (t.global_batch_size - r.start) % inc:
+        raise ConfigError(f"train.batch_ramp.increment: {inc} steps from start {r.start} never reach "
+                          f"train.global_batch_size {t.global_batch_size}; (global - start) must be a multiple of it")
+    _need("train.batch_ramp.tokens", r.tokens, _finite(r.tokens) and r.tokens > 0, "finite and > 0")
+
+
+def _check_blend(d: DataConfig) -> None:
+    for key in ("blend", "val_blend"):
+        names = []
+        for i, s in enumerate(getattr(d, key)):
+            if s.path in (None, "", "???"):
+                raise ConfigError(f"data.{key}[{i}].path: missing (a tools.prepare_data dir or a Megatron prefix)")
+            _need(f"data.{key}[{i}].weight", s.weight, _finite(s.weight) and s.weight > 0, "finite and > 0")
+            names.append(s.name or os.path.basename(os.path.normpath(s.path)))
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"data.{key}: two sources are named {dup[0]}; give them distinct `name`s")
+    if d.blend and (d.path is not None or d.tokenizer is not None):
+        which = "data.path" if d.path is not None else "data.tokenizer"
+        raise ConfigError(f"{which}: set together with data.blend; token datasets carry their tokenizer, so use "
+                          f"one or the other (a single dataset is a blend of one)")
+    if d.val_blend and not d.blend:
+        raise ConfigError("data.val_blend: needs data.blend (a text corpus is split by data.val_fraction)")
+
+
 def _check_values(cfg: Config) -> None:
     """Per-key ranges: everything that would otherwise fail (or silently train on NaN) after the build."""
     t, p, o, d, m, c = cfg.train, cfg.parallel, cfg.optim, cfg.data, cfg.model, cfg.checkpoint
@@ -205,7 +282,7 @@ def _check_values(cfg: Config) -> None:
     # optim
     _need("optim.lr", o.lr, _finite(o.lr) and o.lr > 0, "finite and > 0")
     _need("optim.min_lr", o.min_lr, _finite(o.min_lr) and o.min_lr >= 0, "finite and >= 0")
-    if o.min_lr > o.lr:
+    if o.min_lr > o.lr and o.decay == "cosine":   # the end of the cosine; constant and phases do not use it
         raise ConfigError(f"optim.min_lr: must be <= optim.lr ({_num(o.lr)}), got {_num(o.min_lr)}")
     _need("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0")
     for key in ("beta1", "beta2"):
@@ -213,6 +290,7 @@ def _check_values(cfg: Config) -> None:
     _need("optim.eps", o.eps, _finite(o.eps) and o.eps > 0, "finite and > 0")
     _need("optim.weight_decay", o.weight_decay, _finite(o.weight_decay) and o.weight_decay >= 0, "finite and >= 0")
     _need("optim.grad_clip", o.grad_clip, _finite(o.grad_clip) and o.grad_clip >= 0, "finite and >= 0 (0 disables clipping)")
+    _check_phases(o)
     # train
     for key in ("max_steps", "global_batch_size", "micro_batch_size"):
         _need(f"train.{key}", getattr(t, key), getattr(t, key) > 0, "> 0")
@@ -226,6 +304,7 @@ def _check_values(cfg: Config) -> None:
     _check_piecewise("train.bias_update_speed", t.bias_update_speed)
     _check_piecewise("train.mtp_loss_weight", t.mtp_loss_weight)
     _need("train.max_skipped_steps", t.max_skipped_steps, t.max_skipped_steps >= 1, ">= 1")
+    _check_ramp(t)
     # parallel
     for key in ("pp", "ep", "ranks_per_node"):
         _need(f"parallel.{key}", getattr(p, key), getattr(p, key) >= 1, ">= 1")
@@ -237,6 +316,7 @@ def _check_values(cfg: Config) -> None:
           "finite and >= 0")
     # data, checkpoint
     _need("data.val_fraction", d.val_fraction, 0 <= d.val_fraction < 1, "in [0, 1) (0 = no validation)")
+    _check_blend(d)
     _need("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = only at the end)")
     _need("checkpoint.keep", c.keep, c.keep >= 0, ">= 0 (0 keeps all)")
 
@@ -251,7 +331,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     _one_of("train.device", t.device, DEVICES)
     _one_of("parallel.schedule", p.schedule, SCHEDULES)
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
-    _one_of("optim.decay", o.decay, ("cosine", "constant"))
+    _one_of("optim.decay", o.decay, ("cosine", "constant", "phases"))
     _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("hierarchical", "alltoall"))
     from parallel.dims import ParallelDims   # validates pp/ep/ranks_per_node against the world size
     dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
@@ -277,19 +357,25 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     if (p.pp > 1) != (p.schedule != "none"):
         raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
                           "(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
-            f"({t.micro_batch_size}) x data-parallel size ({dp})")
+    from trainer.schedules import ramp_sizes
+    for gbs in ramp_sizes(t):   # the ramp's sizes first: each must fit the layout as the final one does
+        final = gbs == t.global_batch_size
+        key = "train.global_batch_size" if final else "train.batch_ramp"
+        if gbs % (t.micro_batch_size * dp):
+            raise ConfigError(
+                f"{key}: {'' if final else 'its step of '}{gbs} sequences must be divisible by train.micro_batch_size "
+                f"({t.micro_batch_size}) x data-parallel size ({dp})"
+                + ("" if final else "; choose batch_ramp.start and increment as multiples of it"))
+        if p.pp > 1:
+            from parallel.pipeline.schedules import get_schedule
+            n_micro = gbs // (t.micro_batch_size * dp)
+            try:
+                get_schedule(p.schedule, p.pp, n_micro)
+            except ValueError as e:
+                raise ConfigError(f"parallel.schedule={p.schedule} with {n_micro} micro-batches per step ({key}"
+                                  f"{'' if final else ' step'} {gbs} / (train.micro_batch_size x dp {dp})): {e}") from e
     if p.pp > 1:
-        from parallel.pipeline.schedules import get_schedule
         from parallel.pipeline.stages import n_stages_of
-        n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-        try:
-            get_schedule(p.schedule, p.pp, n_micro)
-        except ValueError as e:
-            raise ConfigError(f"parallel.schedule={p.schedule} with {n_micro} micro-batches per step "
-                              f"(train.global_batch_size / (train.micro_batch_size x dp {dp})): {e}") from e
         n_stages, layout = n_stages_of(p.schedule, p.pp), p.pp_layout
         if layout is not None and (len(layout) != n_stages or sum(layout) != cfg.model.n_layers or min(layout) < 0):
             raise ConfigError(f"parallel.pp_layout: need {n_stages} non-negative layer counts (stages of "

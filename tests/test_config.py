@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from configs.schema import Config, Piecewise, validate
+from configs.schema import BatchRamp, BlendSource, Config, LRPhase, Piecewise, validate
 from models.config import ConfigError
 
 from .trainer_utils import make_config, run_cli
@@ -109,6 +109,15 @@ BAD = [  # (key, value, extra keys to set) -> validate() must name key
     ("data.seq_len", 1),
     ("model.norm_eps", 0.0), ("model.init_std", -0.02), ("model.rope_theta", 0.0), ("model.route_scale", NAN),
     ("model.rope_factor", NAN),
+    ("optim.phases", [], {"optim.decay": "phases"}), ("optim.phases", [LRPhase(tokens=100, lr=1e-3)]),   # decay=cosine
+    ("train.batch_ramp.start", 16), ("train.batch_ramp.start", 0), ("train.batch_ramp.start", None,
+                                                                    {"train.batch_ramp.tokens": 100.0}),
+    ("train.batch_ramp.increment", 5, {"train.batch_ramp.start": 4, "train.batch_ramp.tokens": 100.0}),
+    ("train.batch_ramp.tokens", 0.0, {"train.batch_ramp.start": 4}),
+    ("train.batch_ramp", BatchRamp(start=3, increment=13, tokens=100.0)),    # 3 sequences, micro-batches of 2
+    ("data.val_blend", [BlendSource(path="/data/val")]),                    # without data.blend
+    ("data.path", "/data/corpus.jsonl", {"data.blend": [BlendSource(path="/data/tokens")]}),
+    ("data.blend", [BlendSource(path="/a/x"), BlendSource(path="/b/x")]),   # two sources named x
 ]
 
 
@@ -145,6 +154,24 @@ def test_zb1p_is_a_schedule(tiny):
     with pytest.raises(ConfigError, match=r"^parallel\.schedule=zb1p with 1 micro-batches"):   # needs n >= pp
         validate(_with(tiny, parallel__pp=2, parallel__schedule="zb1p", train__global_batch_size=8,
                        train__micro_batch_size=8), world_size=2)
+
+
+def test_phase_and_blend_entries_are_named_by_index(tiny):
+    with pytest.raises(ConfigError, match=r"^optim\.phases\[1\]\.shape: 'step' is not one of constant"):
+        validate(_with(tiny, optim__decay="phases", optim__phases=[LRPhase(tokens=10, lr=1e-3),
+                                                                   LRPhase(tokens=10, lr=0, shape="step")]))
+    with pytest.raises(ConfigError, match=r"^data\.blend\[1\]\.weight: must be finite and > 0, got 0"):
+        validate(_with(tiny, data__blend=[BlendSource(path="/a"), BlendSource(path="/b", weight=0.0)]))
+
+
+def test_every_ramp_size_must_fit_the_pipeline(tiny):
+    """DualPipe pp=2 needs an even number >= 4 of micro-batches: the ramp's first size (4 sequences in
+    micro-batches of 2) gives 2."""
+    cfg = _with(tiny, parallel__pp=2, parallel__schedule="dualpipe", train__batch_ramp=BatchRamp(4, 4, 1000.0))
+    with pytest.raises(ConfigError, match=r"^parallel\.schedule=dualpipe with 2 micro-batches per step "
+                                          r"\(train\.batch_ramp step 4 "):
+        validate(cfg, world_size=2)
+    validate(_with(cfg, train__micro_batch_size=1), world_size=2)
 
 
 def test_max_skipped_steps_default():

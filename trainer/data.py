@@ -338,7 +338,6 @@ class PackedBatches:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.tokens, self.seq_len, self.global_batch_size = tokens, int(seq_len), int(global_batch_size)
         self.seed, self.dp_rank, self.dp_size = int(seed), int(dp_rank), int(dp_size)
-        self.micro = self.global_batch_size // self.dp_size
         n = max(0, (len(tokens) - 1) // self.seq_len)
         if n < self.global_batch_size:
             raise ConfigError(f"data.seq_len: the training stream ({len(tokens)} tokens) gives only {n} windows of "
@@ -363,10 +362,15 @@ class PackedBatches:
             self._perms[epoch] = torch.randperm(self._n, generator=g).numpy()
         return self._perms[epoch]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.consumed_samples + self.dp_rank * self.micro
-        idx = [self._perm(p // self._n)[p % self._n] for p in range(start, start + self.micro)]
-        self.consumed_samples += self.global_batch_size
+    def next_batch(self, global_batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global batch (``global_batch_size`` sequences, default the
+        constructor's; a batch-size ramp passes the step's own)."""
+        g = self.global_batch_size if global_batch_size is None else int(global_batch_size)
+        if g % self.dp_size:
+            raise ValueError(f"global batch {g} is not divisible by dp_size {self.dp_size}")
+        start = self.consumed_samples + self.dp_rank * (g // self.dp_size)
+        idx = [self._perm(p // self._n)[p % self._n] for p in range(start, start + g // self.dp_size)]
+        self.consumed_samples += g
         return _windows(self.tokens, idx, self.seq_len)
 
     def state_dict(self) -> dict:
@@ -377,6 +381,9 @@ class PackedBatches:
         """Resume; raises ConfigError (one line, naming the key) if the saved stream had a different seed or
         window count (other data): its position would index a different order."""
         fresh = "or start a new run with checkpoint.resume=none or another checkpoint.dir"
+        if sd.get("kind") == "blend":
+            raise ConfigError(f"data.blend: the checkpoint was trained on token datasets (data.blend), this run reads a "
+                              f"text corpus; resume with the checkpoint's data settings, {fresh}")
         if "seed" in sd and int(sd["seed"]) != self.seed:
             raise ConfigError(f"train.seed: the checkpoint was written with train.seed={int(sd['seed'])}, this run has "
                               f"train.seed={self.seed} (the seed fixes the data order, so the checkpoint's data position "

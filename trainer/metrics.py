@@ -159,6 +159,10 @@ def panel_name(key: str) -> str:
         return "pipeline/" + key[9:]
     if key == "val_loss":
         return "val/loss"
+    if key.startswith("val_loss/"):
+        return "val/loss_" + key[9:]
+    if key.startswith("tokens/"):
+        return "data/tokens_" + key[7:]
     return f"train/{key}"
 
 
@@ -264,7 +268,8 @@ class MetricsLogger:
         self._totals = {"tokens": 0.0, "time": 0.0, "mem_peak_gb": None, "mem_peak_rank": None}
         if not is_main:
             return
-        self.step_tokens = config_dict["train"]["global_batch_size"] * config_dict["data"]["seq_len"]
+        self.seq_len = config_dict["data"]["seq_len"]
+        self.step_tokens = config_dict["train"]["global_batch_size"] * self.seq_len   # without a batch ramp
         self.flops, self.peak, self.peak_src, self.static = None, None, "", {}
         self._derive(config_dict, device)
         if any(cut.values()):
@@ -348,7 +353,7 @@ class MetricsLogger:
             self.bar.set_postfix(post, refresh=False)
 
     def _track(self, row: dict) -> None:
-        self._totals["tokens"] += self.step_tokens
+        self._totals["tokens"] += row["global_batch_size"] * self.seq_len if "global_batch_size" in row else self.step_tokens
         self._totals["time"] += row.get("step_time_s", 0.0)
         if "mem_peak_gb" in row and (self._totals["mem_peak_gb"] or 0) <= row["mem_peak_gb"]:
             self._totals["mem_peak_gb"], self._totals["mem_peak_rank"] = row["mem_peak_gb"], row.get("mem_peak_rank")
@@ -362,7 +367,8 @@ class MetricsLogger:
         for r, gb in enumerate(row.get("mem_peak_gb_per_rank", [])):
             out[f"memory/rank{r}_peak_gb"] = gb
         if "ep_cross_node_tokens" in row and loads:
-            out["comm/cross_node_per_token"] = row["ep_cross_node_tokens"] / (self.step_tokens * len(loads))
+            step_tokens = row["global_batch_size"] * self.seq_len if "global_batch_size" in row else self.step_tokens
+            out["comm/cross_node_per_token"] = row["ep_cross_node_tokens"] / (step_tokens * len(loads))
         if not self._static_logged:   # once, so that the value gets a panel (it is in the summary too)
             out |= {k: v for k, v in self.static.items() if k.startswith("pipeline/")}
             self._static_logged = True
@@ -384,13 +390,15 @@ class MetricsLogger:
         return wandb.Image(img)
 
     # ---- eval, text, end -------------------------------------------------------------------------
-    def log_eval(self, step: int, val_loss: float) -> None:
+    def log_eval(self, step: int, val_loss: float, per_source: dict[str, float] | None = None) -> None:
+        """``per_source``: ``{"val_loss/<name>": loss}`` of each data.val_blend source."""
         if not self.is_main:
             return
-        self._eval_file.write(json_line({"step": step, "val_loss": val_loss}) + "\n")
+        self._eval_file.write(json_line({"step": step, "val_loss": val_loss} | (per_source or {})) + "\n")
         self._eval_file.flush()
         if self.wandb is not None:
-            self.wandb.log({"val/loss": val_loss}, step=step)
+            self.wandb.log({"val/loss": val_loss} | {panel_name(k): v for k, v in (per_source or {}).items()},
+                           step=step)
 
     def write(self, line: str) -> None:
         if not self.is_main:

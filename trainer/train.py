@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import models
-from configs.schema import Config, OptimConfig
+from configs.schema import Config
 from models.config import ConfigError
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
@@ -27,7 +26,9 @@ from parallel.zero import NonFiniteGradients, build_optimizer
 
 from .checkpoint import CheckpointManager
 from .lifecycle import StopRequests, TrainingError, is_comm_failure
+from .blend import BlendedBatches, blend_val_batches
 from .data import PackedBatches, load_corpus, val_batches
+from .schedules import batch_size_at, lr_multiplier
 from .metrics import RUN_ID_FILE, MetricsLogger, rank_memory, saved_run_id
 
 
@@ -35,20 +36,6 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def lr_lambda(o: OptimConfig, max_steps: int):
-    """Multiplier of ``o.lr`` at scheduler step s: linear warmup, then cosine (or constant) to min_lr."""
-    floor = o.min_lr / o.lr
-
-    def f(s: int) -> float:
-        if s < o.warmup_steps:
-            return (s + 1) / o.warmup_steps
-        if o.decay == "constant":
-            return 1.0
-        progress = min(1.0, (s - o.warmup_steps) / max(1, max_steps - o.warmup_steps))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
 
 
 class Trainer:
@@ -66,7 +53,8 @@ class Trainer:
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
-        self.corpus = self._load_corpus()
+        self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
+        self.corpus = None if cfg.data.blend else self._load_corpus()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
         self.model = apply_ep(models.build(cfg.model, device=self.device, seed=t.seed), self.dims,
                               dispatcher=cfg.parallel.ep_dispatcher, latency_s=cfg.parallel.ep_latency_ms / 1e3,
@@ -76,19 +64,22 @@ class Trainer:
             apply_fp8(self.model)
         self.pipe = None
         if self.dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
-            n_micro = t.global_batch_size // (t.micro_batch_size * self.dims.dp)
+            n_micro = batch_size_at(t, 0) // (t.micro_batch_size * self.dims.dp)   # the first step's
             self.pipe = PipelineRunner(self.model, self.dims, cfg.parallel.schedule, n_micro,
                                        cfg.parallel.pp_layout, self.device, cfg.parallel.overlap)
         self.model.train()
         # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
         self.opt = build_optimizer(self.model, cfg, self.dims, self.pipe.grad_weight if self.pipe else None)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, lr_lambda(cfg.optim, t.max_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
-        self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed,
-                                     dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
-        self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
-        self.step = 0
-        self.tokens = 0
+        self.val_sources: dict[str, list] = {}   # data.val_blend: validation batches per source
+        if cfg.data.blend:
+            self.batches, self.val_sources = self._open_blend()
+            self.val = [b for batches in self.val_sources.values() for b in batches]
+        else:
+            self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed,
+                                         dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
+            self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
         self.ckpt.remove_partial()
         self._barrier()
         self.resumed_from = self.maybe_resume()
@@ -100,6 +91,35 @@ class Trainer:
     def _barrier(self) -> None:
         if self.dims.world_size > 1:
             torch.distributed.barrier()
+
+    def _lr_multiplier(self, scheduler_step: int) -> float:
+        """LambdaLR's factor for its step ``scheduler_step``, after ``self.tokens`` consumed tokens."""
+        return lr_multiplier(self.cfg.optim, self.cfg.train.max_steps, scheduler_step, self.tokens)
+
+    def _open_blend(self):
+        """data.blend / data.val_blend: memory-mapped token datasets (trainer/tokens.py, trainer/blend.py)."""
+        from .tokens import open_tokens
+        d, t = self.cfg.data, self.cfg.train
+        opened = {}
+        for key in ("blend", "val_blend"):
+            srcs = [open_tokens(s.path) for s in getattr(d, key)]
+            names = [s.name or Path(s.path).name for s in getattr(d, key)]
+            opened[key] = (srcs, names)
+        everything = [(f"data.{k}[{i}]", s) for k, (srcs, _) in opened.items() for i, s in enumerate(srcs)]
+        tokenizers = {s.tokenizer_hash for _, s in everything if s.tokenizer_hash is not None}
+        if len(tokenizers) > 1:
+            listing = "; ".join(f"{k} {s.path}: {s.tokenizer_hash[:12]}" for k, s in everything if s.tokenizer_hash)
+            raise ConfigError(f"data.blend: the sources were tokenized with different tokenizers ({listing}); "
+                              "re-run tools.prepare_data with one tokenizer for all of them")
+        for k, s in everything:
+            if s.vocab_size is not None and s.vocab_size > self.cfg.model.vocab_size:
+                raise ConfigError(f"{k}: {s.path} was tokenized with a vocabulary of {s.vocab_size}, more than "
+                                  f"model.vocab_size ({self.cfg.model.vocab_size}); raise model.vocab_size")
+        srcs, names = opened["blend"]
+        batches = BlendedBatches(srcs, [s.weight for s in d.blend], names, d.seq_len, t.seed,
+                                 dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
+        val = blend_val_batches(*opened["val_blend"], d.seq_len, t.micro_batch_size, t.eval_batches)
+        return batches, val
 
     def _load_corpus(self):
         """Rank 0 tokenizes (and caches) first; the others then read the cache."""
@@ -145,9 +165,8 @@ class Trainer:
         """The LR schedule is a function of the step: only its position is checkpointed (the number of
         param groups depends on the optimizer layout, e.g. ZeRO buckets, so per-group state would not
         carry over to another layout)."""
-        fn = lr_lambda(self.cfg.optim, self.cfg.train.max_steps)
         sd = self.scheduler.state_dict()
-        last_lr = [base * fn(last_epoch) for base in self.scheduler.base_lrs]
+        last_lr = [base * self._lr_multiplier(last_epoch) for base in self.scheduler.base_lrs]
         sd.update(last_epoch=last_epoch, _step_count=last_epoch + 1, _last_lr=last_lr)
         self.scheduler.load_state_dict(sd)
         for group, lr in zip(self.opt.optimizer.param_groups, last_lr):
@@ -182,13 +201,12 @@ class Trainer:
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
         summary = {"val_loss_start": None, "val_loss_end": None}
-        if not self.val:   # data.val_fraction=0: no validation split (trainer/data.py)
-            self.logger.write("validation off: data.val_fraction=0 holds out no documents, so no val_loss is computed")
+        if not self.val:   # data.val_fraction=0 (trainer/data.py), or data.blend without data.val_blend
+            self.logger.write("validation off: " + ("data.val_blend is empty" if self.cfg.data.blend else
+                              "data.val_fraction=0 holds out no documents") + ", so no val_loss is computed")
         if self.step == 0 and self.val:
-            with self.phase("validation before the first step", step=0):
-                summary["val_loss_start"] = self.evaluate()
-            self.logger.log_eval(0, summary["val_loss_start"])
-        start, start_step = time.perf_counter(), self.step
+            summary["val_loss_start"] = self.validate(0)
+        start, start_step, start_tokens = time.perf_counter(), self.step, self.tokens
         end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
         metrics = {}
         trace_step = step_from_env()
@@ -204,9 +222,7 @@ class Trainer:
                     summary["stopped"] = self.stops.signal or "peer"
                     break
                 if self.val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end_step):
-                    with self.phase("validation", step=self.step):
-                        metrics["val_loss"] = summary["val_loss_end"] = self.evaluate()
-                    self.logger.log_eval(self.step, metrics["val_loss"])
+                    metrics["val_loss"] = summary["val_loss_end"] = self.validate(self.step)
                 self.logger.log_step(metrics, self._last_load)
                 if self.skipped_in_a_row >= t.max_skipped_steps:
                     raise TrainingError(
@@ -222,8 +238,7 @@ class Trainer:
         finally:
             self.stops.restore()
         elapsed = time.perf_counter() - start
-        steps_done = self.step - start_step
-        tok = steps_done * t.global_batch_size * self.cfg.data.seq_len
+        tok = self.tokens - start_tokens
         self.logger.write(
             f"done: step {self.step}/{t.max_steps}, {tok} tokens in {elapsed:.1f}s ({tok / max(elapsed, 1e-9):.0f} tok/s)"
             f"; loss {metrics.get('loss', float('nan')):.4f}; val_loss "
@@ -253,7 +268,7 @@ class Trainer:
         self.stop_requested = self.stop_requested or flags[w] > 0
         return [r for r in range(w) if flags[r] > 0]
 
-    def skip_step(self, bad_ranks: list[int], sums: torch.Tensor, n_micro: int, t0: float) -> dict:
+    def skip_step(self, bad_ranks: list[int], sums: torch.Tensor, n_micro: int, gbs: int, t0: float) -> dict:
         """A step whose loss or gradients were non-finite somewhere: no update, no LR step, no bias update
         (its expert loads are dropped); the batch counts as consumed. Stops the run after
         ``train.max_skipped_steps`` in a row."""
@@ -264,7 +279,7 @@ class Trainer:
         self._last_load = []
         self.skipped_in_a_row += 1
         self.step += 1
-        step_tokens = t.global_batch_size * self.cfg.data.seq_len
+        step_tokens = gbs * self.cfg.data.seq_len
         self.tokens += step_tokens
         limit = t.max_skipped_steps   # train() stops the run there, after logging this step
         where = f"rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))}" if bad_ranks else \
@@ -278,7 +293,8 @@ class Trainer:
         dt = time.perf_counter() - t0
         return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "skipped": True,
                 "nonfinite_ranks": bad_ranks, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float("nan"),
-                "tokens": self.tokens, "step_time_s": dt, "tokens_per_s": step_tokens / dt, **ep}
+                "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt, "tokens_per_s": step_tokens / dt,
+                **ep, **self._source_metrics()}
 
     @contextlib.contextmanager
     def phase(self, what: str, step: int | None = None):
@@ -301,11 +317,13 @@ class Trainer:
         t0 = time.perf_counter()
         mtp_w = t.mtp_loss_weight.at(self.step, self.tokens)
         gamma = t.bias_update_speed.at(self.step, self.tokens)
-        input_ids, labels = map(self._to_device, self.batches.next_batch())   # this dp rank's share
+        gbs = batch_size_at(t, self.tokens)   # train.batch_ramp, else train.global_batch_size
+        input_ids, labels = map(self._to_device, self.batches.next_batch(gbs))   # this dp rank's share
         micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
         n_micro = len(micro)
         with self.phase("forward/backward"):
             if self.pipe is not None:
+                self.pipe.set_microbatches(n_micro)
                 with self.autocast:
                     sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
                 self.pipe.sum_replica_grads(self.model)
@@ -319,21 +337,21 @@ class Trainer:
         with self.phase("gradient reduction"):
             bad_ranks = self.check_step(sums)
         if bad_ranks:
-            return self.skip_step(bad_ranks, sums, n_micro, t0)
+            return self.skip_step(bad_ranks, sums, n_micro, gbs, t0)
         lr = self.scheduler.get_last_lr()[0]
         try:
             with self.phase("gradient reduction and optimizer step"):
                 grad_norm = self.opt.step(self.cfg.optim.grad_clip)   # reduce over dp, clip, update (sharded with ZeRO)
         except NonFiniteGradients:
-            return self.skip_step([], sums, n_micro, t0)
+            return self.skip_step([], sums, n_micro, gbs, t0)
         self.skipped_in_a_row = 0
-        self.scheduler.step()
         self.opt.zero_grad()
         with self.phase("expert-load all-reduce"):
             self._last_load = self.update_expert_bias(gamma)
         self.step += 1
-        step_tokens = t.global_batch_size * self.cfg.data.seq_len
+        step_tokens = gbs * self.cfg.data.seq_len
         self.tokens += step_tokens
+        self.scheduler.step()   # the next step's LR: after self.tokens moved (optim.decay=phases reads it)
         # The step's numbers reach the host in one sync (on CUDA: after the step's work is done, so the
         # step time below covers the GPU's work, not only the launches).
         with self.phase("metric reductions", step=self.step):
@@ -345,11 +363,16 @@ class Trainer:
             lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()
             dt = time.perf_counter() - t0
             return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
-                    "grad_norm": grad_norm, "tokens": self.tokens, "step_time_s": dt,
+                    "grad_norm": grad_norm, "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt,
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
                     "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(),
                     **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
-                    **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}}
+                    **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()},
+                    **self._source_metrics()}
+
+    def _source_metrics(self) -> dict:
+        """data.blend: tokens consumed per source since start-up (all ranks; the sample order is global)."""
+        return self.batches.source_metrics() if isinstance(self.batches, BlendedBatches) else {}
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host batch -> device; on CUDA through pinned memory, so the copy runs asynchronously."""
@@ -406,16 +429,27 @@ class Trainer:
             loads.append(load)
         return loads
 
+    def validate(self, step: int) -> float:
+        """Validation loss over all of ``self.val`` (logged); with data.val_blend also per source."""
+        per_source = {}
+        with self.phase("validation" if step else "validation before the first step", step=step):
+            val_loss = self.evaluate()
+            if len(self.val_sources) > 1:
+                per_source = {f"val_loss/{name}": self.evaluate(b) for name, b in self.val_sources.items()}
+        self.logger.log_eval(step, val_loss, per_source)
+        return val_loss
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, batches: list | None = None) -> float:
+        batches = self.val if batches is None else batches
         self.model.eval()
         if self.pipe is not None:
             with self.autocast:
-                loss = self.pipe.evaluate(self.val)
+                loss = self.pipe.evaluate(batches)
             self.model.train()
             return loss
         losses = []
-        for ids, lab in self.val:
+        for ids, lab in batches:
             with self.autocast:
                 logits = self.model(ids.to(self.device))
             losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),

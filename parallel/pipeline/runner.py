@@ -29,11 +29,19 @@ class PipelineRunner:
         prune_model(model, self.stages)
         self.replicas = ReplicaSync(model.cfg, schedule, dims, layout)
         self.p2p = PipeChannels(dims)
-        self._schedule = get_schedule(schedule, dims.pp, n_microbatches)
-        actions = self._schedule[dims.pp_rank]
-        self.executor = PipelineExecutor(self.stages, actions, self.p2p, self.n_stages, model.cfg.dim, device,
-                                         overlap)
-        self.device = torch.device(device)
+        self.device, self._overlap = torch.device(device), overlap
+        self.n_microbatches = None
+        self.set_microbatches(n_microbatches)
+
+    def set_microbatches(self, n: int) -> None:
+        """Use the schedule's action lists for ``n`` micro-batches per step (a batch-size ramp changes it
+        between steps; every rank changes at the same step). The stages and channels stay."""
+        if n == self.n_microbatches:
+            return
+        self._schedule = get_schedule(self.schedule, self.dims.pp, n)
+        self.executor = PipelineExecutor(self.stages, self._schedule[self.dims.pp_rank], self.p2p, self.n_stages,
+                                         self.cfg.dim, self.device, self._overlap)
+        self.n_microbatches = n
 
     def forward_backward(self, micro_batches, loss_scale: float, mtp_weight: float, aux_alpha: float) -> torch.Tensor:
         """Run the schedule; returns ``[lm_sum, mtp_sum, aux_sum, n_microbatches]`` summed over the pipeline."""

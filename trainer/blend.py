@@ -1,0 +1,204 @@
+"""Weighted blends of memory-mapped token datasets, served as packed windows: deterministic, resumable, and
+independent of the data-parallel size.
+
+A *source* is anything with ``num_tokens`` and ``read(start, stop)`` (``trainer.tokens.TokenSource``: our
+shards or a Megatron-LM ``.bin/.idx`` dataset). Source j has ``n_j = (num_tokens - 1) // seq_len`` windows;
+window w is ``read(w*L, w*L + L + 1)`` (inputs and shifted labels), as in ``trainer.data.PackedBatches``.
+
+The sample sequence is a pure function of the global sample index i (so a resume, under any dp size,
+continues it exactly):
+
+* **which source**: a fixed pattern of ``CHUNK`` slots is filled greedily (slot p goes to the source
+  furthest below its share ``weight * (p + 1)``), then repeated. Every prefix of the pattern is within one
+  sample per source of the weights; the per-source position of sample i is ``c * count_j + prefix[p]``
+  (chunk c, slot p), so nothing is scanned.
+* **which window**: the source's k-th sample is window ``perm_(j, epoch)(k mod n_j)``, epoch = k // n_j,
+  where ``perm`` is a keyed Feistel permutation (``feistel_permute``): O(1) memory whatever the corpus size
+  (a stored shuffle of 3.6B windows would take 29 GB).
+
+Global batch b covers samples ``[consumed, consumed + B_b)``; data-parallel rank r reads rows
+``[r * B_b/dp, (r+1) * B_b/dp)``. ``B_b`` may change from step to step (``train.batch_ramp``); the only
+state is ``consumed_samples`` (and the settings it is checked against).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.config import ConfigError
+
+CHUNK = 1 << 14          # slots of the repeating source pattern: shares exact to 1/CHUNK
+_ROUNDS = 4
+_M64 = np.uint64((1 << 64) - 1)
+
+
+# ------------------------------------------------------------------------------------------ permutation
+def _mix(x: np.ndarray, key: int) -> np.ndarray:
+    """A 64-bit integer hash (splitmix64's finaliser) of ``x ^ key``; arrays of uint64, wrapping arithmetic."""
+    with np.errstate(over="ignore"):
+        z = x ^ np.uint64(key)
+        z = (z + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return z ^ (z >> np.uint64(31))
+
+
+def _key(*parts: int) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def feistel_permute(idx: np.ndarray, n: int, key: int) -> np.ndarray:
+    """Image of positions ``idx`` (< n) under a pseudo-random permutation of ``range(n)`` chosen by ``key``.
+
+    A balanced Feistel network on ``2h`` bits (4**h >= n) is a bijection of ``range(4**h)``; cycle walking
+    (apply it again while the value is >= n) restricts it to a bijection of ``range(n)``. At most 4n > 4**h, so
+    a walk takes fewer than 4 applications on average."""
+    idx = np.asarray(idx, dtype=np.uint64)
+    if n <= 1:
+        return idx.astype(np.int64)
+    h = max(1, (int(n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << h) - 1)
+    keys = [_key(key, r) for r in range(_ROUNDS)]
+
+    def once(x):
+        left, right = x >> np.uint64(h), x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right, k) & mask)
+        return (left << np.uint64(h)) | right
+
+    out = once(idx)
+    todo = np.nonzero(out >= n)[0]
+    while todo.size:
+        out[todo] = once(out[todo])
+        todo = todo[out[todo] >= n]
+    return out.astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------- blend
+def source_pattern(weights: list[float], chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (source of each slot, index of the slot among its source's slots, slots per source) for one chunk."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    counts = np.zeros(len(w), dtype=np.int64)
+    src = np.empty(chunk, dtype=np.int64)
+    prefix = np.empty(chunk, dtype=np.int64)
+    for p in range(chunk):
+        j = int(np.argmax(w * (p + 1) - counts))
+        src[p], prefix[p] = j, counts[j]
+        counts[j] += 1
+    return src, prefix, counts
+
+
+@dataclass(frozen=True)
+class Sample:
+    source: int     # index into the blend
+    window: int     # window of that source
+
+
+class BlendedBatches:
+    """Resumable stream of packed training windows from weighted sources, for one data-parallel rank."""
+
+    def __init__(self, sources, weights: list[float], names: list[str], seq_len: int, seed: int,
+                 dp_rank: int = 0, dp_size: int = 1, key: str = "data.blend"):
+        if len(sources) != len(weights) or not sources:
+            raise ValueError("one weight per source, at least one source")
+        self.sources, self.names, self.key = list(sources), list(names), key
+        self.seq_len, self.seed, self.dp_rank, self.dp_size = int(seq_len), int(seed), int(dp_rank), int(dp_size)
+        self.weights = [float(w) for w in weights]
+        self.windows = [max(0, (s.num_tokens - 1) // self.seq_len) for s in self.sources]
+        for name, n in zip(self.names, self.windows):
+            if n == 0:
+                raise ConfigError(f"{key}: source {name} holds fewer than data.seq_len+1={self.seq_len + 1} tokens")
+        self._src, self._prefix, self._per_chunk = source_pattern(self.weights)
+        for name, w, c in zip(self.names, self.weights, self._per_chunk):
+            if c == 0:
+                raise ConfigError(f"{key}: weight {w} of {name} is below 1/{CHUNK} of the total, so it would never be "
+                                  "sampled; raise it or drop the source")
+        self.consumed_samples = 0
+        self.tokens_per_source = [0] * len(self.sources)   # this run's consumed tokens per source (all dp ranks)
+
+    def samples(self, start: int, stop: int) -> list[Sample]:
+        """Global samples ``[start, stop)`` of the blend, in order."""
+        i = np.arange(start, stop, dtype=np.int64)
+        chunk, slot = np.divmod(i, CHUNK)
+        src = self._src[slot]
+        k = chunk * self._per_chunk[src] + self._prefix[slot]     # position in its source's own stream
+        out = np.empty(len(i), dtype=np.int64)
+        for j in np.unique(src):
+            sel = src == j
+            epoch, pos = np.divmod(k[sel], self.windows[j])
+            win = np.empty(len(pos), dtype=np.int64)
+            for e in np.unique(epoch):
+                at = epoch == e
+                win[at] = feistel_permute(pos[at], self.windows[j], _key(self.seed, int(j), int(e)))
+            out[sel] = win
+        return [Sample(int(s), int(w)) for s, w in zip(src, out)]
+
+    def read(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        L = self.seq_len
+        rows = np.stack([self.sources[s.source].read(s.window * L, s.window * L + L + 1) for s in samples])
+        rows = torch.from_numpy(rows.astype(np.int64, copy=False))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def next_batch(self, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global batch of ``global_batch_size`` sequences."""
+        if global_batch_size % self.dp_size:
+            raise ValueError(f"global batch {global_batch_size} is not divisible by dp_size {self.dp_size}")
+        b = global_batch_size // self.dp_size
+        everyone = self.samples(self.consumed_samples, self.consumed_samples + global_batch_size)
+        for s in everyone:
+            self.tokens_per_source[s.source] += self.seq_len
+        self.consumed_samples += global_batch_size
+        return self.read(everyone[self.dp_rank * b:(self.dp_rank + 1) * b])
+
+    def source_metrics(self) -> dict:
+        """Tokens consumed per source since start-up (keys ``tokens/<name>``)."""
+        return {f"tokens/{n}": t for n, t in zip(self.names, self.tokens_per_source)}
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": int(self.consumed_samples), "seed": self.seed, "kind": "blend",
+                "sources": [{"name": n, "windows": int(w), "weight": float(x)}
+                            for n, w, x in zip(self.names, self.windows, self.weights)]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Resume at ``consumed_samples``; a checkpoint written with another seed, other sources or other
+        weights is refused with one line naming the key (its position would index other samples)."""
+        fresh = "or start a new run with checkpoint.resume=none or another checkpoint.dir"
+        if sd.get("kind") != "blend":
+            raise ConfigError(f"{self.key}: the checkpoint was trained on a text corpus (data.path), this run reads "
+                              f"token datasets; resume with the checkpoint's data settings, {fresh}")
+        if int(sd["seed"]) != self.seed:
+            raise ConfigError(f"train.seed: the checkpoint was written with train.seed={int(sd['seed'])}, this run has "
+                              f"train.seed={self.seed} (the seed fixes the data order); resume with train.seed="
+                              f"{int(sd['seed'])}, {fresh}")
+        mine = self.state_dict()["sources"]
+        if [(s["windows"], s["weight"]) for s in sd["sources"]] != [(s["windows"], s["weight"]) for s in mine]:
+            saved = ", ".join(f"{s['name']} ({s['windows']} windows, weight {s['weight']})" for s in sd["sources"])
+            now = ", ".join(f"{s['name']} ({s['windows']} windows, weight {s['weight']})" for s in mine)
+            raise ConfigError(f"{self.key}: the checkpoint's blend was [{saved}], this run's is [{now}] (sources, their "
+                              f"order, weights or data.seq_len changed); resume with the same blend, {fresh}")
+        self.consumed_samples = int(sd["consumed_samples"])
+
+
+def blend_val_batches(sources, names: list[str], seq_len: int, batch_size: int, max_batches: int
+                      ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per validation source: its first ``max_batches`` batches of consecutive windows (all full batches for
+    ``max_batches <= 0``; one smaller batch if it holds fewer windows than a batch)."""
+    out = {}
+    for name, src in zip(names, sources):
+        n = max(0, (src.num_tokens - 1) // seq_len)
+        if n == 0:
+            raise ConfigError(f"data.val_blend: source {name} holds fewer than data.seq_len+1={seq_len + 1} tokens")
+        sizes = [n] if n < batch_size else [batch_size] * (n // batch_size if max_batches <= 0
+                                                           else min(max_batches, n // batch_size))
+        batches, w = [], 0
+        for size in sizes:
+            rows = np.stack([src.read(i * seq_len, i * seq_len + seq_len + 1) for i in range(w, w + size)])
+            rows = torch.from_numpy(rows.astype(np.int64, copy=False))
+            batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+            w += size
+        out[name] = batches
+    return out
