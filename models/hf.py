@@ -12,7 +12,9 @@ export writes what it returns and import copies into it. Block ``i`` is ``model.
 
 HF checkpoints (``save_pretrained``, the Hub) store routed experts one tensor per expert, as above; a
 ``transformers`` model in memory fuses them (``mlp.experts.gate_up_proj [E,2F,D]``, gate rows first, and
-``down_proj [E,D,F]``). Import accepts both, export writes the per-expert form.
+``down_proj [E,D,F]``). Import accepts both, export writes the per-expert form. A model holding a slice of the
+experts (after ``apply_ep``: tensors ``[E_local, ...]`` and ``experts.expert_offset``, the global id of local
+expert 0) maps local expert ``e`` to HF expert ``expert_offset + e``.
 
 MTP: DeepSeek's release stores MTP module k as ``model.layers.{n_layers + k}``: ``enorm``, ``hnorm``, ``eh_proj``,
 ``shared_head.norm`` (our ``mtp.k.norm``), ``shared_head.head`` (a copy of ``lm_head``; ours shares the main head,
@@ -20,25 +22,40 @@ so it is written on export and skipped on import) and ordinary block weights (ou
 ``transformers`` builds no MTP module: ``from_pretrained`` silently skips checkpoint keys matching
 ``DeepseekV3PreTrainedModel._keys_to_ignore_on_load_unexpected`` (``model\\.layers\\.61.*``, the 671B layout;
 its ``generate(use_mtp=True)`` drafter reads them from there) and logs a LOAD REPORT warning for any other
-unexpected key. So ``to_hf`` writes MTP tensors into the main files only when that pattern covers them, else
-into ``mtp.safetensors``, which ``from_pretrained`` never opens (it reads ``model.safetensors`` or the files its
-index names). ``from_hf`` reads every ``*.safetensors`` in the directory.
+unexpected key. So export writes MTP tensors into the main files only when that pattern covers them, else
+into ``mtp.safetensors`` (``mtp-rankNNNNN.safetensors`` when sharded), which ``from_pretrained`` never opens
+(it reads ``model.safetensors`` or the files its index names). Import reads the files the index names and
+every ``*.safetensors`` it does not name.
+
+Import streams (``load_hf_into``): it fills only the tensors the model holds (a pipeline stage's layers, a
+slice of the experts), opening the file once per tensor: a ``safe_open`` handle maps the whole file and every
+page read through it stays resident until the handle closes. FP8 ``weight`` + ``weight_scale_inv`` blocks
+are dequantised straight into the target, a block row at a time. Peak host memory: the model's own tensors
+plus about one checkpoint tensor. Export: ``to_hf`` (one process), or ``save_hf_shard`` on every rank and
+``write_hf_index`` once; both write ``config.json`` and ``generation_config.json`` and, given a tokenizer, its
+files, with ``bos/eos/pad`` ids taken from it. Recipes: docs/hf.md.
 
 Config: see ``config_from_hf``/``config_to_hf``; what our model cannot express raises ``ConfigError`` naming the
-key. FP8 block-quantised weights (DeepSeek's release: float8 ``weight`` + ``weight_scale_inv``) are dequantised.
+key.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import struct
+import time
+from collections import Counter
 from pathlib import Path
+from typing import Collection, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
+from .moe import GroupedExperts
 from .transformer import DeepSeekV3, build
 
 # ---- the weight-name table ---------------------------------------------------------------------------
@@ -66,7 +83,10 @@ _BLOCK = {
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
         "norm.weight": "shared_head.norm.weight", **{f"block.{k}": v for k, v in _BLOCK.items()}}
 _MTP_HEAD = "shared_head.head.weight"
-_SKIPPED_ON_IMPORT = re.compile(rf"{re.escape(_MTP_HEAD)}$|rotary_emb\.inv_freq$")
+_SKIPPED_ON_IMPORT = re.compile(rf"{re.escape(_MTP_HEAD)}$|rotary_emb\.inv_freq$|_scale_inv$")
+_ROUTED = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+INDEX = "model.safetensors.index.json"
 
 
 def hf_key(name: str, n_layers: int) -> str:
@@ -81,13 +101,56 @@ def hf_key(name: str, n_layers: int) -> str:
     raise KeyError(name)
 
 
-def hf_state_dict(model: DeepSeekV3) -> dict[str, torch.Tensor]:
-    """Our tensors under their HF checkpoint names (views; routed-expert stacks sliced one per expert)."""
+def expert_starts(model: DeepSeekV3, expert_range: tuple[int, int] | None = None) -> dict[str, int]:
+    """Global id of local expert 0 for each routed-expert module (by module name).
+
+    After ``apply_ep`` every ``GroupedExperts`` carries ``expert_offset``; ``expert_range = (start, end)``
+    names the slice for a model cut some other way (checked against the tensors and any offset).
+    """
+    n = model.cfg.n_routed_experts
     out = {}
-    for name, t in model.state_dict().items():
-        key = hf_key(name, model.cfg.n_layers)
-        out.update({key.format(e=e): t[e] for e in range(len(t))} if "{e}" in key else {key: t})
+    for name, mod in model.named_modules():
+        if not isinstance(mod, GroupedExperts):
+            continue
+        held, offset = mod.w1.shape[0], getattr(mod, "expert_offset", None)
+        if expert_range is not None:
+            start, end = expert_range
+            if not 0 <= start < end <= n or end - start != held:
+                raise ConfigError(f"expert_range={tuple(expert_range)}: {name} holds {held} of model.n_routed_experts"
+                                  f" ({n}) experts; pass (start, start + {held}) with start + {held} <= {n}")
+            if offset is not None and offset != start:
+                raise ConfigError(f"expert_range={tuple(expert_range)} but {name}.expert_offset={offset} (set by "
+                                  f"apply_ep): leave expert_range unset for a model after apply_ep")
+            offset = start
+        elif offset is None:
+            if held != n:
+                raise ConfigError(f"{name} holds {held} of model.n_routed_experts ({n}) experts and has no "
+                                  f"expert_offset: pass expert_range=(start, start + {held})")
+            offset = 0
+        out[name] = offset
     return out
+
+
+def _hf_items(model: DeepSeekV3, expert_range=None) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(HF key, our state-dict name, tensor view)`` for every tensor the model holds."""
+    starts = expert_starts(model, expert_range)
+    for name, t in model.state_dict().items():
+        try:
+            key = hf_key(name, model.cfg.n_layers)
+        except KeyError:
+            raise ConfigError(f"model tensor {name} has no Hugging Face name (models/hf.py _BLOCK); convert "
+                              "weights before swapping modules (e.g. before apply_fp8)") from None
+        if "{e}" in key:
+            start = starts[name.rpartition(".")[0]]
+            yield from ((key.format(e=start + e), name, t[e]) for e in range(len(t)))
+        else:
+            yield key, name, t
+
+
+def hf_state_dict(model: DeepSeekV3, expert_range: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Our tensors under their HF checkpoint names (views; routed-expert stacks sliced one per expert, under
+    their global ids)."""
+    return {key: t for key, _, t in _hf_items(model, expert_range)}
 
 
 # ---- config ------------------------------------------------------------------------------------------
@@ -112,11 +175,15 @@ _REQUIRED = {  # HF key: (the only value our model implements, why); an absent k
     "topk_method": ("noaux_tc", "our gate routes with the bias-corrected group-limited top-k"),
     "moe_layer_freq": (1, "every layer after the dense ones is MoE in our model"),
 }
+_HF_GROUP_TOPK = 2   # HF (like DeepSeek's code) scores an expert group by the sum of its top-2 biased scores
 
 
 def config_from_hf(hf_config, mtp_depth: int | None = None) -> ModelConfig:
     """Our ModelConfig for a ``DeepseekV3Config`` (or its dict). ``mtp_depth`` defaults to
-    ``num_nextn_predict_layers``; ``from_hf`` passes how many MTP modules the weights actually hold."""
+    ``num_nextn_predict_layers``; ``config_from_hf_dir`` passes how many MTP modules the weights hold.
+
+    ``group_topk`` (experts summed per group score; 0 = K // M) is written as 0, what the presets say,
+    whenever 0 routes as HF does (K // M == 2, or no group limit), else as HF's 2."""
     hf = hf_config
     if isinstance(hf, dict):
         from transformers import DeepseekV3Config
@@ -131,19 +198,24 @@ def config_from_hf(hf_config, mtp_depth: int | None = None) -> ModelConfig:
         raise ConfigError("HF config n_shared_experts=0 is not supported (HF still builds shared-expert weights)")
     n_group = hf.n_group or 1
     topk_group = hf.topk_group or n_group
+    k = hf.num_experts_per_tok
+    default_topk = k // topk_group if k % topk_group == 0 else None
+    same = default_topk == _HF_GROUP_TOPK or (topk_group == n_group and default_topk is not None
+                                              and default_topk <= hf.n_routed_experts // n_group)
     return ModelConfig(
         **{ours: getattr(hf, theirs) for ours, theirs in _CONFIG.items()},
         q_lora_rank=hf.q_lora_rank or 0,
         first_k_dense=min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
         n_expert_groups=n_group, n_limited_groups=topk_group,
-        group_topk=2 if topk_group < n_group else 0,
+        group_topk=0 if same else _HF_GROUP_TOPK,
         mtp_depth=(getattr(hf, "num_nextn_predict_layers", 0) or 0) if mtp_depth is None else mtp_depth,
         **_rope_from_hf(hf),
     )
 
 
 def config_to_hf(cfg: ModelConfig):
-    """The ``transformers.DeepseekV3Config`` that describes a model built from ``cfg``."""
+    """The ``transformers.DeepseekV3Config`` that describes a model built from ``cfg``. Token ids (bos, eos,
+    pad) are left unset: they come from the tokenizer (``write_hf_metadata``)."""
     from transformers import DeepseekV3Config
 
     cfg.validate()
@@ -152,7 +224,7 @@ def config_to_hf(cfg: ModelConfig):
                           "export needs norm_eps=1e-6")
     if cfg.n_shared_experts == 0:
         raise ConfigError("model.n_shared_experts=0: HF DeepseekV3 always has shared experts")
-    if cfg.n_limited_groups < cfg.n_expert_groups and cfg.effective_group_topk != 2:
+    if cfg.n_limited_groups < cfg.n_expert_groups and cfg.effective_group_topk != _HF_GROUP_TOPK:
         raise ConfigError(f"model.group_topk: HF scores a group by its top-2 experts, this model uses "
                           f"top-{cfg.effective_group_topk}")
     if cfg.rope_factor > 1:
@@ -167,7 +239,7 @@ def config_to_hf(cfg: ModelConfig):
         first_k_dense_replace=cfg.first_k_dense, n_group=cfg.n_expert_groups, topk_group=cfg.n_limited_groups,
         num_nextn_predict_layers=cfg.mtp_depth, rope_parameters=rope, norm_topk_prob=True, hidden_act="silu",
         rope_interleave=True, attention_bias=False, tie_word_embeddings=False,
-        architectures=["DeepseekV3ForCausalLM"],
+        architectures=["DeepseekV3ForCausalLM"], bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
 
 
@@ -188,55 +260,220 @@ def _rope_from_hf(hf) -> dict:
                 mscale_all_dim=rp.get("mscale_all_dim") or 0.0)
 
 
+def config_from_hf_dir(path: str | os.PathLike) -> ModelConfig:
+    """Our ModelConfig for an HF checkpoint directory: ``config.json``, with ``mtp_depth`` the number of MTP
+    modules whose weights the directory holds (``save_pretrained`` of a ``transformers`` model keeps
+    ``num_nextn_predict_layers`` but writes no MTP weights). Reads only file headers."""
+    return _HFDir(path).config()
+
+
+def check_config(cfg: ModelConfig, path: str | os.PathLike) -> None:
+    """Raise ``ConfigError`` naming the key, both values and the fix when a model built from ``cfg`` cannot
+    hold the weights in ``path`` as they were trained. ``init_std`` and ``max_seq_len`` touch no weight;
+    a smaller ``mtp_depth`` drops the extra MTP modules; ``group_topk`` compares the routing it means."""
+    _check_config(cfg, _HFDir(path))
+
+
 # ---- import ------------------------------------------------------------------------------------------
+class _HFDir:
+    """An HF checkpoint directory: its config and where each tensor lives (index + unlisted files' headers)."""
+
+    def __init__(self, path: str | os.PathLike):
+        root = Path(path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: no such directory")
+        if not (root / "config.json").is_file():
+            raise FileNotFoundError(f"{root}: no config.json (not a Hugging Face checkpoint directory)")
+        from transformers import DeepseekV3Config
+        self.root, self.hf_cfg = root, DeepseekV3Config.from_pretrained(str(root))
+        self.where: dict[str, Path] = {}
+        if (root / INDEX).is_file():
+            self.where = {k: root / v for k, v in json.loads((root / INDEX).read_text())["weight_map"].items()}
+        listed = set(self.where.values())
+        for file in sorted(root.glob("*.safetensors")):
+            if file not in listed:      # e.g. our mtp side file; the index wins where both name a key
+                for key in _header(file):
+                    self.where.setdefault(key, file)
+        if not self.where:
+            raise FileNotFoundError(f"{root}: no *.safetensors files")
+        quant = getattr(self.hf_cfg, "quantization_config", None) or {}
+        self.block = tuple(quant.get("weight_block_size") or (128, 128))
+
+    def config(self) -> ModelConfig:
+        return config_from_hf(self.hf_cfg, mtp_depth=_mtp_depth(self.hf_cfg, self.where))
+
+    def file_of(self, key: str, name: str) -> Path:
+        file = self.where.get(key)
+        if file is None:
+            raise ConfigError(f"{self.root}: no tensor {key} (our {name}) in "
+                              f"{INDEX if (self.root / INDEX).is_file() else 'the *.safetensors files'}; either a "
+                              "shard file is missing or the model config does not match config.json (build the "
+                              "model from models.hf.config_from_hf_dir)")
+        if not file.is_file():
+            raise ConfigError(f"{self.root / INDEX} maps {key} to {file.name}, which does not exist: copy every "
+                              "shard file the index names")
+        return file
+
+
+def _header(file: Path) -> dict:
+    """A safetensors file's header (``{key: {dtype, shape, data_offsets}}``), read without mapping the file."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _check_config(cfg: ModelConfig, src: _HFDir) -> None:
+    theirs = src.config()
+    for field in dataclasses.fields(ModelConfig):
+        key = field.name
+        a, b = getattr(cfg, key), getattr(theirs, key)
+        if key in ("init_std", "max_seq_len") or (key == "mtp_depth" and a <= b):
+            continue
+        if key == "group_topk":
+            a, b = cfg.effective_group_topk, theirs.effective_group_topk
+        if a != b:
+            hint = "holds MTP weights for" if key == "mtp_depth" else "gives"
+            raise ConfigError(f"model.{key}={a!r} but {src.root} {hint} {b!r}: set model.{key}={b!r} (or build "
+                              f"the model from models.hf.config_from_hf_dir('{src.root}'))")
+
+
+@torch.no_grad()
+def load_hf_into(model: DeepSeekV3, hf_dir: str | os.PathLike, *, expert_range: tuple[int, int] | None = None,
+                 strict: bool = False) -> dict:
+    """Fill every tensor in ``model.state_dict()`` from the HF checkpoint directory ``hf_dir``; returns stats.
+
+    ``model`` may be pruned to a rank's pipeline stages (``prune_model``: absent layers, embedding or head are
+    simply not read) and hold a slice of the routed experts: after ``apply_ep`` each ``experts.expert_offset``
+    says which (leave ``expert_range`` unset); ``expert_range=(start, end)`` names global expert ids
+    ``[start, end)`` for a model sliced by other means. Call it on materialised plain tensors (``to_empty``
+    after building on meta), before wrapping for ZeRO/FSDP or swapping modules (``apply_fp8``).
+
+    Reads only the tensors needed, one ``safe_open`` per tensor, so peak host memory is the model's own
+    tensors plus about one checkpoint tensor. FP8 weights are dequantised with their ``weight_scale_inv``
+    blocks. The balancing bias is loaded; the per-expert token counters are zeroed. ``strict``: every tensor
+    in the directory must have found a place (a full model; ``from_hf`` uses it).
+
+    Returns ``{"tensors", "bytes", "files", "dequantized", "seconds"}``: checkpoint tensors read (scales
+    included), their bytes as stored, files opened, FP8 tensors dequantised. Raises ``ConfigError`` naming
+    the HF key, file and fix for a config mismatch, a missing tensor or a shape mismatch.
+    """
+    src = hf_dir if isinstance(hf_dir, _HFDir) else _HFDir(hf_dir)
+    _check_config(model.cfg, src)
+    t0 = time.perf_counter()
+    stats = {"tensors": 0, "bytes": 0, "files": set(), "dequantized": 0}
+    plain, fused = [], {}
+    for key, name, dst in _hf_items(model, expert_range):
+        routed = _ROUTED.search(key)
+        if key not in src.where and routed:   # a transformers-fused expert tensor: [E, 2F, D] / [E, D, F]
+            base = key[:routed.start()] + ".mlp.experts." + ("down_proj" if routed[2] == "down" else "gate_up_proj")
+            if base in src.where:
+                fused.setdefault(base, []).append((int(routed[1]), routed[2], name, dst))
+                continue
+        plain.append((src.file_of(key, name), key, name, dst))
+    read = set()
+    for file, key, name, dst in sorted(plain, key=lambda p: (str(p[0]), p[1])):
+        _read_into(src, file, key, name, dst, stats)
+        read.add(key)
+    for base, parts in fused.items():
+        _read_fused_into(src, base, parts, stats)
+        read.add(base)
+    if strict:
+        unused = sorted(k for k in src.where if k not in read and not _SKIPPED_ON_IMPORT.search(k))
+        if unused:
+            raise ConfigError(f"{src.root}: {len(unused)} tensors have no place in the model, e.g. "
+                              f"{unused[:3]} in {src.where[unused[0]].name}: config.json does not describe "
+                              "these weights")
+    for moe in model.moe_layers():
+        moe.tokens_per_expert.zero_()
+    return {**stats, "files": len(stats["files"]), "seconds": time.perf_counter() - t0}
+
+
+def _read_into(src: _HFDir, file: Path, key: str, name: str, dst: torch.Tensor, stats: dict) -> None:
+    scale = None
+    scale_file = src.where.get(key + "_scale_inv")
+    if scale_file is not None:
+        with safe_open(scale_file, "pt") as f:
+            scale = f.get_tensor(key + "_scale_inv").float().clone()   # small; owns its memory
+        _count(stats, scale_file, scale.numel() * 4)
+    with safe_open(file, "pt") as f:   # one handle per tensor: its pages leave RSS when it closes
+        t = f.get_tensor(key)          # mapped, not yet read
+        if tuple(t.shape) != tuple(dst.shape):
+            raise ConfigError(f"{file}: {key} has shape {tuple(t.shape)}, our {name} needs {tuple(dst.shape)}: "
+                              f"the model config does not match {src.root / 'config.json'} (build the model from "
+                              "models.hf.config_from_hf_dir)")
+        if scale is not None:
+            _dequant_into(dst, t, scale, src.block, key, file)
+            stats["dequantized"] += 1
+        elif t.dtype in _FP8:
+            raise ConfigError(f"{file}: {key} is {t.dtype} but the checkpoint has no {key}_scale_inv")
+        else:
+            dst.copy_(t)
+        _count(stats, file, t.numel() * t.element_size())
+        del t
+
+
+def _read_fused_into(src: _HFDir, base: str, parts: list, stats: dict) -> None:
+    """``parts``: ``(global expert, "gate"|"up"|"down", our name, target)``; reads experts min..max only."""
+    file = src.file_of(base, parts[0][2])
+    lo, hi = min(p[0] for p in parts), max(p[0] for p in parts) + 1
+    with safe_open(file, "pt") as f:
+        t = f.get_slice(base)[lo:hi]
+        for e, proj, name, dst in parts:
+            w = t[e - lo]
+            if proj != "down":
+                half = w.shape[0] // 2
+                w = w[:half] if proj == "gate" else w[half:]
+            if tuple(w.shape) != tuple(dst.shape):
+                raise ConfigError(f"{file}: {base}[{e}] ({proj}) has shape {tuple(w.shape)}, our {name} needs "
+                                  f"{tuple(dst.shape)}: the model config does not match config.json")
+            dst.copy_(w)
+        _count(stats, file, t.numel() * t.element_size())
+
+
+def _count(stats: dict, file: Path, nbytes: int) -> None:
+    stats["tensors"] += 1
+    stats["bytes"] += nbytes
+    stats["files"].add(file)
+
+
+def _dequant_into(dst: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                  key: str = "", file: Path | None = None) -> None:
+    """``dst = w * scale_inv`` per ``block`` tile, one block row at a time (temporaries: one block row)."""
+    (rows, cols), (br, bc) = w.shape, block
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != want:
+        raise ConfigError(f"{file}: {key}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for "
+                          f"{tuple(w.shape)} in {br}x{bc} blocks (config.json quantization_config.weight_block_size)")
+    for i in range(want[0]):
+        s = scale_inv[i].repeat_interleave(bc)[:cols]
+        dst[i * br:(i + 1) * br].copy_(w[i * br:(i + 1) * br].float() * s)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu") -> DeepSeekV3:
+    """A model built on meta and materialised uninitialised on ``device``: parameters in ``dtype``, buffers
+    (balancing bias, load counters) fp32. Fill it with ``load_hf_into``."""
+    model = build(cfg, "meta")
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model.to_empty(device=device)
+
+
 def from_hf(path_or_hf_model, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DeepSeekV3:
     """Our model with the weights of an HF checkpoint directory or a ``transformers`` DeepseekV3ForCausalLM.
 
-    A directory is read tensor by tensor, one ``*.safetensors`` file open at a time, into a model built on
-    meta and materialised once on ``device``. Parameters get ``dtype``; the balancing bias stays fp32.
+    A directory: ``empty_model(config_from_hf_dir(dir))`` filled by ``load_hf_into(strict=True)``.
+    Parameters get ``dtype``; the balancing bias stays fp32.
     """
     if not isinstance(path_or_hf_model, (str, os.PathLike)):
-        model = _empty_model(config_from_hf(path_or_hf_model.config, mtp_depth=0), dtype, device)
+        model = empty_model(config_from_hf(path_or_hf_model.config, mtp_depth=0), dtype, device)
         _copy_in(model, path_or_hf_model.state_dict().items())
         return model
-    root = Path(path_or_hf_model)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such directory")
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root}: no config.json (not a Hugging Face checkpoint directory)")
-    from transformers import DeepseekV3Config
-    hf_cfg = DeepseekV3Config.from_pretrained(str(root))
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors files")
-    where = {}
-    for file in files:
-        with safe_open(file, "pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-    model = _empty_model(config_from_hf(hf_cfg, mtp_depth=_mtp_depth(hf_cfg, where)), dtype, device)
-    block = tuple((getattr(hf_cfg, "quantization_config", None) or {}).get("weight_block_size", (128, 128)))
-
-    def tensors():
-        for file in files:
-            with safe_open(file, "pt") as f:
-                for key in f.keys():
-                    if key.endswith("_scale_inv"):
-                        continue
-                    t = f.get_tensor(key)
-                    if key + "_scale_inv" in where:
-                        with safe_open(where[key + "_scale_inv"], "pt") as g:
-                            t = _dequant(t, g.get_tensor(key + "_scale_inv"), block)
-                    yield key, t
-
-    _copy_in(model, tensors())
+    src = _HFDir(path_or_hf_model)
+    model = empty_model(src.config(), dtype, device)
+    load_hf_into(model, src, strict=True)
     return model
-
-
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device) -> DeepSeekV3:
-    model = build(cfg, "meta")
-    for p in model.parameters():   # buffers (balancing bias, load counters) stay fp32
-        p.data = p.data.to(dtype)
-    return model.to_empty(device=device)
 
 
 def _mtp_depth(hf_cfg, keys) -> int:
@@ -247,13 +484,6 @@ def _mtp_depth(hf_cfg, keys) -> int:
         raise ConfigError(f"HF config num_nextn_predict_layers={want} but the checkpoint holds layers "
                           f"{sorted(found)} beyond num_hidden_layers={n}")
     return want if found else 0
-
-
-def _dequant(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Block-quantised weight -> fp32: each ``block`` tile of ``w`` is multiplied by its ``scale_inv`` entry."""
-    rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return w.float() * s
 
 
 def _unfuse(key: str, t: torch.Tensor):
@@ -271,6 +501,7 @@ def _unfuse(key: str, t: torch.Tensor):
 
 @torch.no_grad()
 def _copy_in(model: DeepSeekV3, items) -> None:
+    """Copy a ``transformers`` model's in-memory state dict into ``model``."""
     targets, unexpected, done = hf_state_dict(model), [], set()
     for key, t in items:
         for key, t in _unfuse(key, t):
@@ -290,35 +521,156 @@ def _copy_in(model: DeepSeekV3, items) -> None:
 
 
 # ---- export ------------------------------------------------------------------------------------------
-def to_hf(model: DeepSeekV3, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``config.json`` + safetensors (in the model's dtype) that ``from_pretrained`` loads cleanly.
+def to_hf(model: DeepSeekV3, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30, *,
+          tokenizer=None) -> Path:
+    """Write ``config.json``, ``generation_config.json`` and safetensors (in the model's dtype) that
+    ``from_pretrained`` loads cleanly, plus the tokenizer's files when one is given (see ``write_hf_metadata``).
 
     Above ``max_shard_bytes`` the weights are split into ``model-0000i-of-0000n.safetensors`` + index.
     MTP modules go where the module docstring says. Returns the output directory.
     """
-    cfg = model.cfg
-    hf_cfg = config_to_hf(cfg)
-    hf_cfg.dtype = model.embed.weight.dtype
+    _check_tokenizer(tokenizer, model.cfg)   # before writing anything
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out}: already holds *.safetensors; export into an empty directory")
-    tensors = hf_state_dict(model)
-    tensors.update({f"model.layers.{cfg.n_layers + k}.{_MTP_HEAD}": model.head.weight for k in range(cfg.mtp_depth)})
+    main, side = _split_mtp(model.cfg, _export_items(model))
+    _write_shards(out, main, max_shard_bytes)
+    if side:
+        save_file(_cpu_copies(side), str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    write_hf_metadata(out, model.cfg, model.embed.weight.dtype, tokenizer)
+    return out
+
+
+def save_hf_shard(model: DeepSeekV3, out_dir: str | os.PathLike, rank: int, *,
+                  expert_range: tuple[int, int] | None = None, replicated: bool = True,
+                  exclude: Collection[str] = ()) -> dict[str, str]:
+    """Write this rank's tensors to ``model-rank{rank:05d}.safetensors`` (MTP tensors that ``from_pretrained``
+    would warn about to ``mtp-rank{rank:05d}.safetensors``); returns ``{HF key: file name}`` for
+    ``write_hf_index``. Nothing is gathered: peak memory is one CPU copy of this rank's tensors.
+
+    ``model`` may be pruned and expert-sliced as for ``load_hf_into`` (same ``expert_range`` rule). Every
+    tensor must be written by exactly one rank: routed experts always (each rank holds its own), the
+    replicated rest only where ``replicated`` is True (e.g. ``ep_rank == 0`` on ``dp_rank == 0`` of each
+    pipeline rank); ``exclude`` drops our state-dict names, e.g. ``{"embed.weight"}`` on a last pipeline
+    stage that holds a tied copy of stage 0's embedding.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    items = _export_items(model, expert_range, exclude)
+    main, side = _split_mtp(model.cfg, [(k, t) for k, t in items if replicated or _ROUTED.search(k)])
+    names = {}
+    for prefix, part in (("model", main), ("mtp", side)):
+        if part:
+            name = f"{prefix}-rank{rank:05d}.safetensors"
+            if (out / name).exists():
+                raise FileExistsError(f"{out / name} exists; export into an empty directory")
+            save_file(_cpu_copies(part), str(out / name), metadata={"format": "pt"})
+            names.update(dict.fromkeys((k for k, _ in part), name))
+    return names
+
+
+def write_hf_index(out_dir: str | os.PathLike, weight_maps: Iterable[dict[str, str]], cfg: ModelConfig, *,
+                   tokenizer=None) -> Path:
+    """Tie the files of ``save_hf_shard`` together: merge the ranks' maps (e.g. from an ``all_gather_object``),
+    check that every tensor of ``cfg`` was written exactly once, write ``model.safetensors.index.json``
+    (side files left out, see the module docstring), ``config.json`` (dtype read from the shards),
+    ``generation_config.json`` and the tokenizer. Call it on one rank after every rank has written."""
+    _check_tokenizer(tokenizer, cfg)
+    out = Path(out_dir)
+    merged: dict[str, str] = {}
+    for part in weight_maps:
+        for key, file in part.items():
+            if merged.setdefault(key, file) != file:
+                raise ConfigError(f"{key} was written to both {merged[key]} and {file}: each tensor must come from "
+                                  "one rank (save_hf_shard(replicated=False) or exclude= on the others)")
+    expected = set(_export_keys(cfg))
+    missing, extra = sorted(expected - set(merged)), sorted(set(merged) - expected)
+    if missing or extra:
+        raise ConfigError(f"{out}: the shards do not hold the model of this config: missing {missing[:3]} "
+                          f"({len(missing)}), unexpected {extra[:3]} ({len(extra)}); every rank must call "
+                          "save_hf_shard (with its experts and stages) before write_hf_index")
+    headers = {}
+    for file in sorted(set(merged.values())):
+        if not (out / file).is_file():
+            raise FileNotFoundError(f"{out / file}: named by a rank's weight map but not written")
+        headers[file] = _header(out / file)
+    indexed = {k: f for k, f in sorted(merged.items()) if not f.startswith("mtp")}
+    total = sum(headers[f][k]["data_offsets"][1] - headers[f][k]["data_offsets"][0] for k, f in indexed.items())
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": indexed}, indent=2))
+    dtypes = Counter(h["dtype"] for f in headers for k, h in headers[f].items() if "e_score_correction" not in k)
+    write_hf_metadata(out, cfg, _DTYPES[dtypes.most_common(1)[0][0]], tokenizer)
+    return out
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def write_hf_metadata(out_dir: str | os.PathLike, cfg: ModelConfig, dtype: torch.dtype, tokenizer=None) -> dict:
+    """``config.json`` + ``generation_config.json``, and the tokenizer's files via its ``save_pretrained``.
+
+    ``tokenizer``: a loaded ``transformers`` tokenizer whose ``eos_token`` is the end-of-text token the model
+    was trained with (``tools.convert_hf.load_tokenizer`` finds it as the trainer does). ``bos_token_id``,
+    ``eos_token_id`` and ``pad_token_id`` in ``config.json`` are the tokenizer's (None when it has none, and
+    all None without a tokenizer); ``generation_config.json`` pads with EOS when the tokenizer has no pad
+    token (config.json keeps None there: HF uses it as the embedding's padding_idx, whose row gets no
+    gradient). Returns the three ids.
+    """
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    _check_tokenizer(tokenizer, cfg)
+    if tokenizer is not None:
+        ids = {k: getattr(tokenizer, k) for k in ids}
+        tokenizer.save_pretrained(str(out))
+    hf_cfg = config_to_hf(cfg)
+    hf_cfg.dtype = dtype
+    for k, v in ids.items():
+        setattr(hf_cfg, k, v)
+    hf_cfg.save_pretrained(str(out))
+    pad = ids["eos_token_id"] if ids["pad_token_id"] is None else ids["pad_token_id"]
+    GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+                     pad_token_id=pad).save_pretrained(str(out))
+    return ids
+
+
+def _check_tokenizer(tokenizer, cfg: ModelConfig) -> None:
+    if tokenizer is None:
+        return
+    if len(tokenizer) > cfg.vocab_size:
+        raise ConfigError(f"tokenizer has {len(tokenizer)} tokens, more than model.vocab_size ({cfg.vocab_size})")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("tokenizer defines no eos_token: set it (tokenizer.eos_token = ...) before export")
+
+
+def _export_items(model: DeepSeekV3, expert_range=None, exclude: Collection[str] = ()) -> list:
+    """``(HF key, tensor)`` to write: the model's tensors plus, on a model holding the head, the MTP
+    modules' ``shared_head.head`` copies of it."""
+    items = [(key, t) for key, name, t in _hf_items(model, expert_range) if name not in exclude]
+    if model.head is not None and "head.weight" not in exclude:
+        n = model.cfg.n_layers
+        items += [(f"model.layers.{n + k}.{_MTP_HEAD}", model.head.weight) for k in range(len(model.mtp))]
+    return items
+
+
+def _export_keys(cfg: ModelConfig) -> list[str]:
+    return [key for key, _ in _export_items(build(cfg, "meta"))]
+
+
+def _split_mtp(cfg: ModelConfig, items: list) -> tuple[list, list]:
+    """``(main, side)``: MTP tensors go to the side file unless ``from_pretrained`` skips them silently."""
     main, side = [], []
+    ignored = re.compile("(?!)")
     if cfg.mtp_depth:   # the checkpoint keys from_pretrained skips without a warning
         from transformers import DeepseekV3ForCausalLM
         patterns = DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected or ["(?!)"]
         ignored = re.compile("|".join(f"({p})" for p in patterns))
-    for key, t in tensors.items():
+    for key, t in items:
         layer = re.match(r"model\.layers\.(\d+)\.", key)
         is_mtp = layer is not None and int(layer[1]) >= cfg.n_layers
         (side if is_mtp and not ignored.search(key) else main).append((key, t))
-    _write_shards(out, main, max_shard_bytes)
-    if side:
-        save_file(_cpu_copies(side), str(out / "mtp.safetensors"), metadata={"format": "pt"})
-    hf_cfg.save_pretrained(str(out))
-    return out
+    return main, side
 
 
 def _cpu_copies(items) -> dict[str, torch.Tensor]:
@@ -343,4 +695,4 @@ def _write_shards(out: Path, items: list, max_shard_bytes: int) -> None:
         weight_map = {key: name for name, shard in zip(names, shards) for key, _ in shard}
         total = sum(t.numel() * t.element_size() for _, t in items)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (out / INDEX).write_text(json.dumps(index, indent=2))
