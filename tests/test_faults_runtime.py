@@ -295,6 +295,11 @@ def _peer_misses_worker(rank, world, tmp, phase):
 
 @pytest.mark.parametrize("phase", ["validation", "save"])
 def test_peer_missing_from_validation_or_save_is_named(tmp_path, phase):
+    # Tokenize here first: the ranks' 3 s timeout covers their start-up barrier too, and training the BPE on
+    # a loaded machine can take longer than that (seen in CI with other jobs on both cores).
+    from trainer.data import load_corpus
+    cfg = make_config(f"data.cache_dir={tmp_path}/cache")
+    load_corpus(cfg.data, cfg.model.vocab_size)
     spawn(_peer_misses_worker, 2, tmp_path, str(tmp_path), phase, timeout_s=3)
 
 
