@@ -1,15 +1,19 @@
 """Typed configuration schema, registered in Hydra's ConfigStore as ``schema``.
 
-YAML files in the groups beside this file only fill values; every key must exist here.
+YAML files in the groups beside this file only fill values; every key must exist here: ``to_object`` refuses
+a key the schema lacks (Hydra's ``+key=value`` adds any), and ``check_key`` checks a command-line key
+before Hydra composes, both with a "did you mean" hint.
 ``validate(cfg, world_size)`` checks every key's range (NaN and infinities included) and the cross-field
 rules, and raises a one-line ``ConfigError`` naming the key, before anything is built.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -106,6 +110,7 @@ class TrainConfig:
     # MTP loss weight lambda (V3: 0.3 for the first 10T tokens, then 0.1).
     mtp_loss_weight: Piecewise = field(default_factory=lambda: Piecewise(value=0.3))
     batch_ramp: BatchRamp = field(default_factory=BatchRamp)
+    memory_check: bool = True         # before building: stop with one line if the per-rank memory estimate exceeds free memory
     max_skipped_steps: int = 3        # consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops with an error
 
 
@@ -142,7 +147,9 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    progress: bool = True             # tqdm bar on rank 0
+    progress: bool = True             # tqdm bar on rank 0 (only when stderr is a terminal)
+    log_every: int = 10               # a plain line (step, loss, lr, grad norm, tok/s, MFU, memory, ETA) every N steps on rank 0, also in <run dir>/train.log; 0 = none
+    peak_tflops: Optional[float] = None  # peak TFLOP/s per device for MFU (null: known GPUs by name, or $DSV3_PEAK_TFLOPS)
 
 
 @dataclass
@@ -150,6 +157,9 @@ class CheckpointConfig:
     dir: Optional[str] = None         # None: <run dir>/checkpoints
     every: int = 0                    # save every N steps; 0 = only at the end
     resume: str = "auto"              # auto (newest complete checkpoint in dir, if any) | none | <path>
+    # Start from these weights (our checkpoint's step dir, or a Hugging Face DeepseekV3 directory): model and
+    # balancing biases only, step 0, fresh optimizer, any layout. Ignored once checkpoint.resume finds a checkpoint.
+    init_from: Optional[str] = None
     keep: int = 3                     # newest checkpoints kept; 0 keeps all
     save_final: bool = True
 
@@ -170,10 +180,80 @@ def register() -> None:
 
 
 def to_object(cfg: Any) -> Config:
-    """DictConfig from Hydra -> typed ``Config`` dataclass."""
+    """DictConfig from Hydra -> typed ``Config`` dataclass. A key the schema lacks is a ``ConfigError``: Hydra's
+    ``+key=value`` adds any key (``+train.max_step=3``), and the merge below would silently drop it."""
     if isinstance(cfg, Config):
         return cfg
+    _check_tree(OmegaConf.to_container(cfg, resolve=False), Config, "")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+
+
+# ------------------------------------------------------------------------------------------- strict keys
+def check_key(dotted: str, value: Any = None, top_level_extra: tuple[str, ...] = ()) -> None:
+    """``ConfigError`` unless ``dotted`` (``train.max_steps``, ``optim.phases``, ``optim.phases.0.lr``) names a
+    key of the schema or a group of keys, and every key inside ``value`` (a dict or list given on the command
+    line: ``+optim.phases=[{tokens: 1e9, lr: 1e-4}]``) is one too; the message suggests the closest keys at the
+    level that went wrong. ``top_level_extra``: more names to suggest at the top (the config groups: ``exp``)."""
+    node: Any = Config
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        node, path = _strip_optional(node), ".".join(parts[:i])
+        if dataclasses.is_dataclass(node):
+            fields = _field_types(node)
+            if part not in fields:
+                raise _unknown_key(path, part, list(fields), suggest=top_level_extra if i == 0 else ())
+            node = fields[part]
+        elif get_origin(node) is list:
+            if not part.isdigit():
+                raise ConfigError(f"{dotted}: not a config key; {path} is a list (its entries: {path}.0, {path}.1, ...)")
+            node = get_args(node)[0]
+        elif node is Any or get_origin(node) is dict:
+            return
+        else:
+            raise ConfigError(f"{dotted}: not a config key; {path} is a single value, not a group of keys")
+    _check_tree(value, node, dotted)
+
+
+def _check_tree(value: Any, node: Any, path: str) -> None:
+    """Every dict key in ``value`` (a composed config as plain containers) must be a field of the dataclass
+    ``node`` at that place; list elements are checked against the list's element type."""
+    node = _strip_optional(node)
+    if dataclasses.is_dataclass(node) and isinstance(value, dict):
+        fields = _field_types(node)
+        for key, sub in value.items():
+            if key not in fields:
+                raise _unknown_key(path, str(key), list(fields))
+            _check_tree(sub, fields[key], f"{path}.{key}" if path else str(key))
+    elif get_origin(node) is list and isinstance(value, list):
+        for i, sub in enumerate(value):
+            _check_tree(sub, get_args(node)[0], f"{path}[{i}]")
+
+
+def _unknown_key(path: str, key: str, keys: list[str], suggest: tuple[str, ...] = ()) -> ConfigError:
+    """``train.max_step: not a config key; did you mean train.max_steps?``: the best difflib matches among
+    ``keys`` (and ``suggest``) at that level, or all of ``keys`` when nothing is close."""
+    prefix = f"{path}." if path else ""
+    candidates = [*keys, *suggest]
+    scores = {c: difflib.SequenceMatcher(None, key, c).ratio() for c in candidates}
+    best = max(scores.values(), default=0.0)
+    close = [c for c in candidates if scores[c] >= 0.6 and scores[c] == best][:3]
+    if close:
+        hint = "did you mean " + " or ".join(prefix + c for c in close) + "?"
+    else:
+        hint = f"the keys {'under ' + path if path else 'at the top'} are {', '.join(keys)}"
+    return ConfigError(f"{prefix}{key}: not a config key; {hint}")
+
+
+def _strip_optional(tp: Any) -> Any:
+    if get_origin(tp) is Union:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Any
+    return tp
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -317,6 +397,10 @@ def _check_values(cfg: Config) -> None:
     # data, checkpoint
     _need("data.val_fraction", d.val_fraction, 0 <= d.val_fraction < 1, "in [0, 1) (0 = no validation)")
     _check_blend(d)
+    _need("logging.log_every", cfg.logging.log_every, cfg.logging.log_every >= 0, ">= 0 (0 = no plain lines)")
+    if cfg.logging.peak_tflops is not None:
+        _need("logging.peak_tflops", cfg.logging.peak_tflops, _finite(cfg.logging.peak_tflops) and cfg.logging.peak_tflops > 0,
+              "finite and > 0, or null")
     _need("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = only at the end)")
     _need("checkpoint.keep", c.keep, c.keep >= 0, ">= 0 (0 keeps all)")
 

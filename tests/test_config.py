@@ -2,15 +2,18 @@
 Every key's range is checked before anything is built, with one line naming the key."""
 import copy
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from configs.schema import BatchRamp, BlendSource, Config, LRPhase, Piecewise, validate
+from configs.schema import BatchRamp, BlendSource, Config, LRPhase, Piecewise, check_key, validate
 from models.config import ConfigError
 
-from .trainer_utils import make_config, run_cli
+from .trainer_utils import ROOT, make_config, run_cli
 
 SNAPSHOT = Path(__file__).parent / "assets" / "config_keys.txt"
 
@@ -190,3 +193,84 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, override, key):
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {key}: "), proc.stderr
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("metrics.jsonl"))
+
+
+# ------------------------------------------------------------------------------------------- strict keys
+UNKNOWN = [  # (override, the one-line error)
+    ("+train.max_step=3", "train.max_step: not a config key; did you mean train.max_steps?"),
+    ("+optim.betaa=0.9", "optim.betaa: not a config key; did you mean optim.beta1 or optim.beta2?"),
+    ("+train.bias_update_speed.valu=0", "train.bias_update_speed.valu: not a config key; did you mean "
+                                       "train.bias_update_speed.value?"),
+    ("+data.foo=1", "data.foo: not a config key; the keys under data are path, tokenizer, seq_len, text_field, "
+                    "val_fraction, cache_dir, blend, val_blend"),
+    ("+modle.dim=64", "modle: not a config key; did you mean model?"),
+]
+
+
+@pytest.mark.parametrize("override,message", UNKNOWN, ids=[u[0] for u in UNKNOWN])
+def test_unknown_keys_added_with_plus_are_errors(override, message):
+    """Hydra's ``+`` adds any key; the merge into the schema used to drop it silently (150 steps for
+    ``+train.max_step=3``)."""
+    with pytest.raises(ConfigError) as e:
+        make_config(override)
+    assert str(e.value) == message
+
+
+def test_keys_inside_list_values_are_checked():
+    with pytest.raises(ConfigError, match=r"^optim\.phases\[0\]\.shap: not a config key; did you mean "
+                                          r"optim\.phases\[0\]\.shape\?$"):
+        check_key("optim.phases", [{"tokens": 1e9, "lr": 1e-4, "shap": "cosine"}])
+    with pytest.raises(ConfigError, match=r"^data\.blend\[1\]\.wieght: not a config key; did you mean"):
+        check_key("data.blend", [{"path": "/a"}, {"path": "/b", "wieght": 2}])
+    with pytest.raises(ConfigError, match=r"^data\.blend\.x: not a config key; data\.blend is a list"):
+        check_key("data.blend.x")
+    with pytest.raises(ConfigError, match=r"^train\.max_steps\.x: not a config key; train\.max_steps is a single"):
+        check_key("train.max_steps.x")
+    check_key("optim.phases.0.lr")
+    check_key("data.blend", [{"path": "/a", "weight": 2.0, "name": "a"}])
+
+
+def test_keys_legitimately_added_with_plus_still_work():
+    """Config groups (``+schedule=v3``) and list fields of the schema (``+optim.phases``)."""
+    assert make_config("+optim.phases=[{tokens: 1e6, lr: 1e-4}]", "optim.decay=phases").optim.phases == \
+        [LRPhase(tokens=1e6, lr=1e-4)]
+    from hydra import compose, initialize_config_module
+
+    from configs.schema import to_object
+    with initialize_config_module("configs", version_base=None):
+        cfg = to_object(compose("config", overrides=["+exp=tiny", "+schedule=v3"]))
+    assert cfg.optim.decay == "phases" and len(cfg.optim.phases) == 4
+
+
+@pytest.mark.parametrize("override", ["+train.max_step=3", "train.max_step=3"])
+def test_cli_unknown_key_prints_one_line_and_exits_2(tmp_path, override):
+    """With or without ``+``: checked before Hydra composes (Hydra's own answer to ``train.max_step=3`` is
+    seven lines and exit 1). Hydra's own keys (``hydra.*``) and config groups pass."""
+    proc = run_cli("+exp=tiny", override, f"hydra.run.dir={tmp_path}/run", "hydra.job.chdir=false",
+                   "logging.wandb.mode=disabled", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == ["error: train.max_step: not a config key; did you mean "
+                                                "train.max_steps?"], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+QUIET = [sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc_per_node=2"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "trainer.torchrun"])
+def test_config_error_under_torchrun_prints_once(tmp_path, launcher):
+    """Only rank 0 prints a config error; the others exit 2 in silence. Stock torchrun still adds its own
+    ChildFailedError traceback and report (~40 lines, exit 1, whatever the worker's code: nothing a worker does
+    changes that); ``python -m trainer.torchrun`` (same arguments) exits 2 and adds at most 2 lines (here none)."""
+    cmd = [*(TORCHRUN if launcher == "torchrun" else QUIET), "-m", "trainer", "+exp=tiny", "optim.eps=0",
+           f"hydra.run.dir={tmp_path}/run", "logging.wandb.mode=disabled"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})
+    line = "error: optim.eps: must be finite and > 0, got 0"
+    err = proc.stderr.strip().splitlines()
+    assert err.count(line) == 1 and proc.stdout.count(line) == 0, proc.stderr
+    if launcher == "torchrun":
+        assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
+    else:
+        assert proc.returncode == 2 and len(err) <= 3 and "Traceback" not in proc.stderr, proc.stderr

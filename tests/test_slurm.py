@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tools.slurm import local_cluster as lc
+from tools.slurm.job_watch import _task_ids
 from trainer.metrics import RUN_ID_FILE, read_offline_run
 
 from .trainer_utils import ROOT, assert_losses_match, read_jsonl, run_torchrun
@@ -230,3 +231,52 @@ def test_slurm_launcher_config_runs_two_ranks_per_job(cluster, tmp_path, cache):
     lines = read_jsonl(tmp_path / "sweep" / "0" / "metrics.jsonl")
     assert [m["step"] for m in lines] == [1, 2]
     assert lines[-1]["ep_cross_node_tokens"] > 0 and len(lines[-1]["mem_peak_gb_per_rank"]) == 2
+
+
+def test_slurm_launcher_defaults_run_on_a_cpu_partition(cluster, tmp_path, cache):
+    """hydra/launcher=slurm with its defaults (one task, no GPU request: a CPU partition refuses
+    --gpus-per-node with "Invalid generic resource") submits and trains."""
+    proc = _multirun(cluster, tmp_path, "hydra/launcher=slurm", *COMMON, "train.max_steps=2",
+                     "checkpoint.save_final=false", f"data.cache_dir={cache}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(tmp_path / "sweep" / "0" / "metrics.jsonl")] == [1, 2]
+    scripts = list((tmp_path / "sweep" / ".submitit").glob("*/*_submission.sh"))
+    assert len(scripts) == 1 and "gpu" not in scripts[0].read_text().lower()
+
+
+def test_slurm_launcher_reports_a_job_that_fails_at_once(cluster, tmp_path, cache):
+    """Acceptance: a 2-rank job that exits 2 on a config error within its first seconds. The cluster has no
+    accounting (sacct fails) and the job leaves no result file: the launcher learns the end from the
+    controller, prints the job's error (rank 0's only) with state, exit code and log, and exits 2 within a
+    minute (the stock launcher waited until an outside timeout)."""
+    start = time.monotonic()
+    proc = _multirun(cluster, tmp_path, "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", *COMMON, *EP2,
+                     "optim.eps=0", f"data.cache_dir={cache}")
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert took < 60, f"{took:.0f}s"
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"error: sweep job #0: SLURM job \d+ FAILED, exit code 2: optim\.eps: must "
+                                          r"be finite and > 0, got 0; log \S+_0_log\.err", err[0]), proc.stderr
+    logs = sorted((tmp_path / "sweep" / ".submitit").glob("*/*_log.err"))
+    assert [p.read_text().count("error: optim.eps") for p in logs] == [1, 0]   # rank 0 says it, rank 1 does not
+
+
+def test_sbatch_torchrun_config_error_is_one_line(cluster, tmp_path, cache):
+    """LAUNCHER=torchrun: a config error leaves one line in the node log (python -m trainer.torchrun: no
+    ChildFailedError traceback) and the job fails with exit code 2; the run dir links the job's own log."""
+    run = tmp_path / "run"
+    job = cluster.sbatch(["--ntasks=1", "--cpus-per-task=2", "--job-name=dsv3-bad", str(SBATCH), *COMMON, *EP2,
+                          "optim.eps=0", f"data.cache_dir={cache}"],
+                         env=job_env(RUN_DIR=run, LAUNCHER="torchrun", NPROC_PER_NODE=2), cwd=tmp_path)
+    info = cluster.wait(job, 120)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", explain(cluster, info, run)
+    node_log = (run / "logs" / f"{job}-node0.log").read_text(errors="replace")
+    assert node_log.strip().splitlines() == ["error: optim.eps: must be finite and > 0, got 0"], node_log
+    job_log = (run / "logs" / f"{job}.out").read_text()   # the link to <submit dir>/dsv3-bad-<job>.out
+    assert (tmp_path / f"dsv3-bad-{job}.out").read_text() == job_log
+    assert f"logs {run}/logs/{job}-node*.log" in job_log and "rank exit codes: rank0=2 rank1=2" in job_log, job_log
+
+
+def test_array_task_ids_as_the_controller_prints_them():
+    assert _task_ids("3") == [3] and _task_ids("0-2") == [0, 1, 2] and _task_ids("0,2-3%2") == [0, 2, 3]

@@ -163,9 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     from configs.schema import register, to_object, validate
     from trainer.train import Trainer
     register()
-    with initialize_config_module("configs", version_base=None):
-        cfg = validate(to_object(compose("config", overrides=["logging.wandb.mode=disabled",
-                                                               "logging.progress=false", *args.overrides])))
+    from models.config import ConfigError
+    try:
+        with initialize_config_module("configs", version_base=None):
+            cfg = validate(to_object(compose("config", overrides=["logging.wandb.mode=disabled",
+                                                                   "logging.progress=false", *args.overrides])))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         audit = audit_steps(Trainer(cfg, tmp))

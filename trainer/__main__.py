@@ -1,19 +1,26 @@
 """``python -m trainer +exp=tiny [key=value ...]``: parse the config, build, train, close.
 
-Multi-process: ``torchrun --nproc_per_node=N -m trainer ...`` (gloo on CPU, NCCL on GPUs).
+Multi-process: ``torchrun --nproc_per_node=N -m trainer ...`` (gloo on CPU, NCCL on GPUs), or
+``python -m trainer.torchrun`` with the same arguments: quiet when a rank fails, and its exit code.
+
+Exit codes (``trainer.lifecycle``): 0 done, 2 config error (one line ``error: <key>: ...``; rank 0 prints an
+error in the config itself, the other ranks exit in silence), 3 failed, 75 stopped on request with a checkpoint.
 """
 from __future__ import annotations
 
 import faulthandler
 import os
 import sys
+import time
 import traceback
+from importlib import resources
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from configs.schema import register, to_object, validate
+from configs.schema import check_key, register, to_object, validate
 from models.config import ConfigError
 from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, TrainingError
 
@@ -59,12 +66,14 @@ def main(dcfg: DictConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = validate(to_object(dcfg), world_size)   # before any collective
+    except ConfigError as e:
+        _config_error(e)
+    try:
         from .train import Trainer   # heavy imports after the config is known to be valid
         dims, device = _init_distributed(cfg)
         trainer = Trainer(cfg, _shared_run_dir(HydraConfig.get().runtime.output_dir, dims), dims, device)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
+    except ConfigError as e:          # a checkpoint, the data, the memory estimate
+        _config_error(e, maybe_own=True)
     # A rank ended by a signal it cannot handle in Python (NCCL's watchdog aborts a rank whose collective timed
     # out: SIGABRT) prints every thread's Python stack first: the MoE layer or pipeline action it was in.
     faulthandler.enable(all_threads=True)
@@ -88,6 +97,43 @@ def main(dcfg: DictConfig) -> None:
     # launcher) wait for its return value; a SystemExit here would leave them waiting for a result.
 
 
+def _config_error(e: ConfigError, maybe_own: bool = False) -> NoReturn:
+    """Exit 2 with one line, printed once. An error in the config itself (keys, values, layout for this world
+    size) is the same on every rank: rank 0 says it, the others leave in silence. One found while building
+    (``maybe_own``: a checkpoint, the data, the memory estimate) is usually the same everywhere too, but may
+    be this rank's own (a file its node lacks): a rank other than 0 waits a moment first, and torchrun or
+    srun --kill-on-bad-exit ends it meanwhile when rank 0 has exited 2; if nothing does, it says its own."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if maybe_own and not rank0:
+        time.sleep(3)
+    if rank0 or maybe_own:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_CONFIG)
+
+
+def _check_cli_keys(args: list[str]) -> None:
+    """Every override names a schema key (``+`` or not, and the keys inside a dict or list value) or a config
+    group, before Hydra composes anything: a typo is one line and exit 2 (Hydra's own answer to
+    ``train.max_step=3`` is seven lines and exit 1, and to ``+train.max_step=3`` a key nobody reads)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    candidates = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except OverrideParseException:   # a syntax error: Hydra reports it, naming the override
+        return
+    groups = tuple(sorted(p.name for p in resources.files("configs").iterdir() if p.is_dir() and p.name[0] != "_"))
+    for o in overrides:
+        key = o.key_or_group
+        if o.package is not None or key in groups or key.split(".")[0].split("/")[0] == "hydra":
+            continue
+        try:
+            check_key(key, None if o.is_sweep_override() or o.is_delete() else o.value(), top_level_extra=groups)
+        except ConfigError as e:
+            _config_error(e)
+
+
 def _exit_now(message: str, code: int) -> None:
     """Print and leave without waiting for peers (a barrier or process-group teardown could block until
     their timeout). torchrun then stops the other ranks; under srun they fail at their next collective."""
@@ -97,4 +143,5 @@ def _exit_now(message: str, code: int) -> None:
 
 
 if __name__ == "__main__":
+    _check_cli_keys(sys.argv[1:])
     main()

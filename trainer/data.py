@@ -45,6 +45,16 @@ class Corpus:
     eos_id: int
     vocab_size: int            # len(tokenizer)
     tokenizer: "transformers.PreTrainedTokenizerFast"  # noqa: F821
+    tokenizer_source: str = ""  # data.tokenizer, or the cached BPE file trained on this corpus
+    cache_hit: bool = False     # the token arrays came from data.cache_dir (nothing tokenized in this run)
+    cache_file: str = ""
+
+    def summary(self, source: str) -> str:
+        """One start-up line: documents, tokens, tokenizer, cache."""
+        docs = [int(np.count_nonzero(np.asarray(a) == self.eos_id)) for a in (self.train_tokens, self.val_tokens)]
+        return (f"data: {source}: {docs[0]:,} + {docs[1]:,} documents, {len(self.train_tokens):,} training + "
+                f"{len(self.val_tokens):,} validation tokens; tokenizer {self.tokenizer_source} (vocab {self.vocab_size}, "
+                f"eos id {self.eos_id}); {'cache hit' if self.cache_hit else 'tokenized now, cached'}: {self.cache_file}")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -283,8 +293,10 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
             load_docs()
             _train_bpe(sources, is_val, vocab_size, tok_file)
         tokenizer, tok_id = _wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
+        tok_source = f"byte-level BPE trained on this corpus ({tok_file})"
     else:
         tokenizer, tok_id = _user_tokenizer(str(tok_name))
+        tok_source = str(tok_name)
     if len(tokenizer) > vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer vocab ({len(tokenizer)}) exceeds model.vocab_size "
                           f"({vocab_size}); raise model.vocab_size")
@@ -293,7 +305,8 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     key = _sha(corpus_key, tok_id, vocab_size, eos_id)
     paths = {s: cache_dir / f"tokens-{key}.{s}.npy" for s in ("train", "val")}
     meta = cache_dir / f"tokens-{key}.json"
-    if not meta.exists() or not all(p.exists() for p in paths.values()):
+    cache_hit = meta.exists() and all(p.exists() for p in paths.values())
+    if not cache_hit:
         load_docs()
         parts, i = {"train": [], "val": []}, 0
         for batch in _iter_docs(sources):
@@ -313,7 +326,8 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
         raise ConfigError(f"data.val_fraction: {val_fraction} holds out {len(val)} validation tokens, fewer than one "
                           f"window of data.seq_len+1={seq_len + 1}; raise data.val_fraction or lower data.seq_len, "
                           "or set data.val_fraction=0 to train without validation")
-    return Corpus(train_tokens=train, val_tokens=val, eos_id=eos_id, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    return Corpus(train_tokens=train, val_tokens=val, eos_id=eos_id, vocab_size=len(tokenizer), tokenizer=tokenizer,
+                  tokenizer_source=tok_source, cache_hit=cache_hit, cache_file=str(paths["train"]))
 
 
 def _windows(tokens: np.ndarray, idx, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

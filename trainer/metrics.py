@@ -99,8 +99,11 @@ def flops_per_token(model_cfg, seq_len: int, model=None) -> Flops:
     return Flops(n, attn)
 
 
-def peak_flops(device: torch.device | None) -> tuple[float | None, str]:
-    """(peak FLOP/s per device or None, where it came from)."""
+def peak_flops(device: torch.device | None, configured_tflops: float | None = None) -> tuple[float | None, str]:
+    """(peak FLOP/s per device or None, where it came from): ``logging.peak_tflops``, else $DSV3_PEAK_TFLOPS,
+    else the GPU's name in ``PEAK_FLOPS``."""
+    if configured_tflops:
+        return float(configured_tflops) * 1e12, "logging.peak_tflops"
     env = os.environ.get("DSV3_PEAK_TFLOPS")
     if env:
         return float(env) * 1e12, "$DSV3_PEAK_TFLOPS"
@@ -110,7 +113,7 @@ def peak_flops(device: torch.device | None) -> tuple[float | None, str]:
     for key, value in PEAK_FLOPS:
         if key in name:
             return value, name
-    return None, f"{name} is not in trainer.metrics.PEAK_FLOPS (set DSV3_PEAK_TFLOPS)"
+    return None, f"{name} is not in trainer.metrics.PEAK_FLOPS (set logging.peak_tflops)"
 
 
 def rank_memory(device: torch.device, dims) -> dict[str, Any]:
@@ -143,6 +146,24 @@ def simulated_bubble(schedule: str, pp: int, n_microbatches: int) -> float:
 
     sim = simulate(get_schedule(schedule, pp, n_microbatches), Costs(f=1.0, b=1.0, w=1.0))
     return sim.max_bubble / sim.makespan
+
+
+def run_name(cfg: dict, world_size: int) -> str:
+    """Default W&B run name: the experiment (``+exp=...``; else the model's shape) and the layout, e.g.
+    ``tiny-pp2-ep2-dp2-dualpipe-zero1-fp32``."""
+    exp = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        if HydraConfig.initialized():
+            exp = HydraConfig.get().runtime.choices.get("exp")
+    except Exception:   # noqa: BLE001 - a name is never worth failing over
+        exp = None
+    m, p, t = cfg["model"], cfg["parallel"], cfg["train"]
+    parts = [exp or f"d{m['dim']}-l{m['n_layers']}-e{m['n_routed_experts']}"]
+    parts += [f"pp{p['pp']}"] * (p["pp"] > 1) + [f"ep{p['ep']}"] * (p["ep"] > 1)
+    parts += [f"dp{max(1, world_size // p['pp'])}"] + [p["schedule"]] * (p["pp"] > 1)
+    parts += [f"zero{p['zero']}"] * (p["zero"] > 0) + [t["precision"]]
+    return "-".join(parts)
 
 
 def panel_name(key: str) -> str:
@@ -247,15 +268,18 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, wandb_cfg, config_dict: dict, total_steps: int, start_step: int,
                  progress: bool = True, is_main: bool = True, *, device: torch.device | None = None,
-                 world_size: int = 1, heatmap_every: int | None = None, run_id: str | None = None):
+                 world_size: int = 1, heatmap_every: int | None = None, run_id: str | None = None,
+                 log_every: int = 0):
         self.is_main = is_main
+        self.log_every = log_every     # a plain line every N steps (stdout and <run dir>/train.log); 0: none
         self.run_dir = Path(run_dir)
         self.world_size = world_size
         self.total_steps = total_steps
         self.heatmap_every = heatmap_every or max(1, total_steps // 20)
         self.run_id = (os.environ.get("WANDB_RUN_ID") or run_id or new_run_id()) if is_main else None
-        self._file = self._eval_file = None
+        self._file = self._eval_file = self._log = None
         if is_main:
+            self._log = open(self.run_dir / "train.log", "a")
             cut = {name: cut_back(self.run_dir / name, start_step) for name in ("metrics.jsonl", "eval.jsonl")}
             self._file = open(self.run_dir / "metrics.jsonl", "a")
             self._eval_file = open(self.run_dir / "eval.jsonl", "a")
@@ -264,7 +288,7 @@ class MetricsLogger:
         self._load_sum: list[torch.Tensor] | None = None
         self._load_from = start_step + 1
         self._static_logged = False
-        self._last_step = start_step
+        self._last_step = self._first_step = start_step
         self._totals = {"tokens": 0.0, "time": 0.0, "mem_peak_gb": None, "mem_peak_rank": None}
         if not is_main:
             return
@@ -277,7 +301,7 @@ class MetricsLogger:
                        + ", ".join(f"{n} from {name}" for name, n in cut.items() if n) + "); those steps are redone")
         if wandb_cfg.mode != "disabled":
             self.wandb = self._init_wandb(wandb_cfg, config_dict)
-        if progress:
+        if progress and sys.stderr.isatty():   # a bar for terminals; log files get the plain lines
             from tqdm.auto import tqdm
             # ETA from the step rate; redraw rarely when stderr is a log file rather than a terminal.
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
@@ -290,7 +314,7 @@ class MetricsLogger:
             self.flops = flops_per_token(ModelConfig(**cfg["model"]), cfg["data"]["seq_len"])
         except Exception as e:   # never stop training over a derived metric
             self.write(f"metrics: FLOPs per token unavailable ({e}); throughput/mfu omitted")
-        self.peak, self.peak_src = peak_flops(device)
+        self.peak, self.peak_src = peak_flops(device, (cfg.get("logging") or {}).get("peak_tflops"))
         if self.flops is not None:
             self.static["throughput/flops_per_token"] = self.flops.per_token
         if self.peak is not None:
@@ -315,7 +339,8 @@ class MetricsLogger:
                        f"offline to {self.run_dir / 'wandb'} (upload later with `wandb sync`)")
             mode = "offline"
         # One W&B run per run lineage: a resumed run continues it (online; offline, see the module doc).
-        run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
+        run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or
+                         run_name(config_dict, self.world_size),
                          tags=list(wandb_cfg.tags), mode=mode, dir=str(self.run_dir), config=config_dict,
                          id=self.run_id, resume="allow")
         run.summary.update(dict(self.static) |
@@ -345,12 +370,29 @@ class MetricsLogger:
         loads = [x.detach().float().cpu() for x in (expert_load or [])]
         if self.wandb is not None:
             self.wandb.log(self._wandb_row(row, loads), step=step)
+        if self.log_every and (step % self.log_every == 0 or step >= self.total_steps):
+            self.write(self._plain_line(row))
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             post = {"loss": f"{row['loss']:.3f}", "tok/s": _human(row.get("tokens_per_s", 0.0))}
             if "mfu" in row:
                 post["mfu"] = f"{100 * row['mfu']:.1f}%"
             self.bar.set_postfix(post, refresh=False)
+
+    def _plain_line(self, row: dict) -> str:
+        """``step 20/150 | loss 5.1234 | lr 2.9e-03 | grad norm 0.81 | 7.4k tok/s | MFU 31.2% | mem 0.50 GB | ETA 0:01:23``"""
+        step = row["step"]
+        done = max(1, step - self._first_step)
+        eta = int(self._totals["time"] / done * max(0, self.total_steps - step))
+        parts = [f"step {step}/{self.total_steps}", f"loss {row['loss']:.4f}", f"lr {row.get('lr', float('nan')):.3g}",
+                 f"grad norm {row.get('grad_norm', float('nan')):.3g}",
+                 f"{_human(row.get('tokens_per_s', 0.0))} tok/s",
+                 f"MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "MFU n/a (set logging.peak_tflops)",
+                 f"mem {row['mem_peak_gb']:.2f} GB" if "mem_peak_gb" in row else "mem n/a",
+                 f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"]
+        if row.get("skipped"):
+            parts.append("SKIPPED (non-finite)")
+        return " | ".join(parts)
 
     def _track(self, row: dict) -> None:
         self._totals["tokens"] += row["global_batch_size"] * self.seq_len if "global_batch_size" in row else self.step_tokens
@@ -403,6 +445,9 @@ class MetricsLogger:
     def write(self, line: str) -> None:
         if not self.is_main:
             return
+        if self._log is not None:
+            self._log.write(line + "\n")
+            self._log.flush()
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -422,7 +467,7 @@ class MetricsLogger:
                 run["throughput/run_mfu"] = achieved / self.peak
                 text += f" (MFU {100 * achieved / self.peak:.1f}%)"
             else:
-                text += " (MFU n/a: peak unknown)"
+                text += f" (MFU n/a: peak unknown, {self.peak_src})"
             parts.append(text)
         if tot["mem_peak_gb"] is not None:
             parts.append(f"peak mem {tot['mem_peak_gb']:.2f} GB (rank {tot['mem_peak_rank']})")
@@ -435,7 +480,7 @@ class MetricsLogger:
             self.wandb.log({"experts/load_heatmap": self._heatmap(self._last_step)}, step=self._last_step)
         if self.bar is not None:
             self.bar.close()
-        for f in (self._file, self._eval_file):
+        for f in (self._file, self._eval_file, self._log):
             if f is not None:
                 f.close()
         if self.wandb is not None:

@@ -43,6 +43,7 @@ class Trainer:
                  device: torch.device | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dims = dims or ParallelDims(world_size=1)
         t = cfg.train
         self.device = device or pick_device(t.device)
@@ -53,6 +54,9 @@ class Trainer:
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
+        if t.memory_check:   # before anything big is built: the estimate vs free memory (tools.size)
+            from tools.size import preflight
+            self.memory_note = preflight(cfg, self.dims.world_size, self.device)
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
         self.corpus = None if cfg.data.blend else self._load_corpus()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
@@ -68,6 +72,13 @@ class Trainer:
             self.pipe = PipelineRunner(self.model, self.dims, cfg.parallel.schedule, n_micro,
                                        cfg.parallel.pp_layout, self.device, cfg.parallel.overlap)
         self.model.train()
+        self.notes: list[str] = []   # start-up lines for the log (written once the logger exists)
+        if cfg.checkpoint.init_from is not None:
+            if self._resume_path is None:   # before the optimizer: ZeRO copies its master pieces from the weights
+                self.notes.append(self._init_weights_from(cfg.checkpoint.init_from))
+            else:
+                self.notes.append(f"checkpoint.init_from={cfg.checkpoint.init_from} not applied: resuming from "
+                                  f"{self._resume_path} (the run it started has a checkpoint)")
         # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
         self.opt = build_optimizer(self.model, cfg, self.dims, self.pipe.grad_weight if self.pipe else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
@@ -91,6 +102,41 @@ class Trainer:
     def _barrier(self) -> None:
         if self.dims.world_size > 1:
             torch.distributed.barrier()
+
+    def tokenizer_json(self) -> str | None:
+        """The run's tokenizer as tokenizer.json text: the text corpus's, or the token datasets' own copy."""
+        if self.corpus is not None:
+            backend = getattr(self.corpus.tokenizer, "backend_tokenizer", None)
+            return backend.to_str() if backend is not None else None
+        for s in self.cfg.data.blend:
+            f = Path(s.path).expanduser() / "tokenizer" / "tokenizer.json"
+            if f.is_file():
+                return f.read_text()
+        return None
+
+    def startup_lines(self) -> list[str]:
+        """What a cluster log needs first: run dir and resolved config, layout, parameter counts, data."""
+        from models.params import count_params
+        c, d, p = self.cfg, self.dims, self.cfg.parallel
+        if d.is_main:   # the resolved config and the tokenizer travel with the run dir
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(c)))
+            tokenizer = self.tokenizer_json()
+            if tokenizer:
+                (self.run_dir / "tokenizer.json").write_text(tokenizer)
+        n = count_params(models.build(c.model, device="meta"))
+        lines = [f"run dir {self.run_dir} (resolved config: {self.run_dir / 'config.yaml'})",
+                 f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
+                 f"{p.schedule}; zero {p.zero}; precision {c.train.precision}; device {self.device}",
+                 f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
+                 f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
+        if self.corpus is not None:
+            lines.append(self.corpus.summary(c.data.path or "embedded corpus (CPython's pydoc topics)"))
+        else:
+            b = self.batches
+            lines.append("data: blend of " + ", ".join(
+                f"{name} ({src.num_tokens:,} tokens, weight {w:g})" for name, src, w in zip(b.names, b.sources, b.weights))
+                + (f"; validation: {', '.join(self.val_sources)}" if self.val_sources else "; no validation"))
+        return lines
 
     def _lr_multiplier(self, scheduler_step: int) -> float:
         """LambdaLR's factor for its step ``scheduler_step``, after ``self.tokens`` consumed tokens."""
@@ -172,15 +218,39 @@ class Trainer:
         for group, lr in zip(self.opt.optimizer.param_groups, last_lr):
             group["lr"] = lr
 
-    def _check_model_config(self, path: Path) -> None:
+    def _check_model_config(self, path: Path, key: str = "checkpoint.resume") -> None:
         saved_file = path / "model_config.yaml"
         if not saved_file.is_file():
-            raise ConfigError(f"checkpoint.resume: {path} has no model_config.yaml; not a checkpoint of this trainer")
-        saved = yaml.safe_load(saved_file.read_text())
-        for key, value in dataclasses.asdict(self.cfg.model).items():
-            if saved.get(key) != value:
-                raise ConfigError(f"checkpoint.resume: {path} was written with model.{key}={saved.get(key)!r}, "
-                                  f"this run has {value!r} (use checkpoint.resume=none or another checkpoint.dir)")
+            raise ConfigError(f"{key}: {path} has no model_config.yaml; not a checkpoint of this trainer")
+        self._same_model(yaml.safe_load(saved_file.read_text()), f"{key}: {path} was written with",
+                         "use checkpoint.resume=none or another checkpoint.dir" if key == "checkpoint.resume" else None)
+
+    def _same_model(self, saved: dict, what: str, fix: str | None) -> None:
+        """Every model key equal to ``saved``'s, else one line naming the key, both values and the fix."""
+        for k, value in dataclasses.asdict(self.cfg.model).items():
+            if saved.get(k) != value:
+                raise ConfigError(f"{what} model.{k}={saved.get(k)!r}, this run has {value!r} ("
+                                  + (fix or f"set model.{k}={saved.get(k)!r}, or a model preset that matches") + ")")
+
+    def _init_weights_from(self, src: str) -> str:
+        """checkpoint.init_from: the model's weights and balancing biases from our checkpoint (any layout) or a
+        Hugging Face DeepseekV3 directory (each rank reads only its own tensors); returns the log line."""
+        path = Path(src).expanduser()
+        if (path / "config.json").is_file():
+            from models.hf import check_config, load_hf_into
+            check_config(self.cfg.model, path)   # by meaning: init_std / max_seq_len touch no weight
+            stats = load_hf_into(self.model, path)   # this rank's tensors only (its stages, its experts' slice)
+            return (f"initialised from Hugging Face weights {path} ({stats['tensors']} tensors, "
+                    f"{stats['bytes'] / 2**20:.1f} MiB read on rank {self.dims.rank}; step 0, fresh optimizer)")
+        v = self.ckpt.verify(path)
+        if not v.ok:
+            raise ConfigError(f"checkpoint.init_from: {v.path} is not a loadable checkpoint: {v.first()} (point it at "
+                              "a step dir of ours, e.g. <dir>/step_00000100, or a Hugging Face model directory)")
+        self._check_model_config(path, "checkpoint.init_from")
+        state = {"model": to_global(get_model_state_dict(self.model), {}, self.model, self.dims)[0]}
+        self.ckpt.load(path, state, verify=False)   # model only: the optimizer, step and data start fresh
+        set_model_state_dict(self.model, to_local(state["model"]))
+        return f"initialised from {path} (model weights and balancing biases; step 0, fresh optimizer)"
 
     def save(self) -> Path:
         files = {"model_config.yaml": yaml.safe_dump(dataclasses.asdict(self.cfg.model), sort_keys=False),
@@ -188,6 +258,9 @@ class Trainer:
         run_id = getattr(getattr(self, "logger", None), "run_id", None)   # rank 0's W&B run id: a resume continues it
         if run_id:
             files[RUN_ID_FILE] = run_id + "\n"
+        tokenizer = self.tokenizer_json()
+        if tokenizer:   # the checkpoint carries its tokenizer (tools.convert_hf export picks it up)
+            files["tokenizer.json"] = tokenizer
         return self.ckpt.save(self.step, self.state_dict(), files)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -196,10 +269,18 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
             OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
             is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size,
-            run_id=saved_run_id(self.resumed_from))
-        self.logger.write(self.memory.line())
+            run_id=saved_run_id(self.resumed_from), log_every=self.cfg.logging.log_every)
+        for line in [*self.startup_lines(), getattr(self, "memory_note", ""), self.memory.line(), *self.notes]:
+            if line:
+                self.logger.write(line)
         if self.resumed_from:
             self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
+        if self.step >= min(t.max_steps, t.stop_at_step or t.max_steps):
+            self.logger.write(f"nothing to do: already at train.max_steps={t.max_steps}" if self.step >= t.max_steps else
+                              f"nothing to do: already at train.stop_at_step={t.stop_at_step}"
+                              + f" (checkpoint {self.resumed_from}); raise it to train further")
+            self.logger.close()
+            return {"val_loss_start": None, "val_loss_end": None, "last": {}}
         summary = {"val_loss_start": None, "val_loss_end": None}
         if not self.val:   # data.val_fraction=0 (trainer/data.py), or data.blend without data.val_blend
             self.logger.write("validation off: " + ("data.val_blend is empty" if self.cfg.data.blend else
@@ -251,7 +332,10 @@ class Trainer:
         """Save the current step unless it is already saved."""
         if self._saved_step != self.step:
             with self.phase("checkpoint save", step=self.step):
+                t0 = time.perf_counter()
                 self._saved_path, self._saved_step = self.save(), self.step
+            self.logger.write(f"checkpoint saved: {self._saved_path} (step {self.step}, "
+                              f"{time.perf_counter() - t0:.1f} s)")
         return self._saved_path
 
     def check_step(self, sums: torch.Tensor) -> list[int]:
