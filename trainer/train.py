@@ -59,8 +59,12 @@ class Trainer:
             self.memory_note = preflight(cfg, self.dims.world_size, self.device)
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
         self.corpus = None if cfg.data.blend else self._load_corpus()
-        # Every rank builds the full single-device model from the same seed, then keeps its expert shard.
-        self.model = apply_ep(models.build(cfg.model, device=self.device, seed=t.seed), self.dims,
+        # Every rank builds the full single-device model from the same seed, then keeps its expert shard. Starting
+        # from HF weights, it builds on meta instead and materialises only what it keeps (its stages, its experts'
+        # slice) before reading those tensors: host memory about its own shard (models.hf.load_hf_into).
+        init = cfg.checkpoint.init_from
+        self._hf_init = init is not None and self._resume_path is None and (Path(init).expanduser() / "config.json").is_file()
+        self.model = apply_ep(models.build(cfg.model, device="meta" if self._hf_init else self.device, seed=t.seed), self.dims,
                               dispatcher=cfg.parallel.ep_dispatcher, latency_s=cfg.parallel.ep_latency_ms / 1e3,
                               fp8_dispatch=cfg.parallel.fp8_dispatch)
         if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
@@ -239,7 +243,10 @@ class Trainer:
         if (path / "config.json").is_file():
             from models.hf import check_config, load_hf_into
             check_config(self.cfg.model, path)   # by meaning: init_std / max_seq_len touch no weight
+            self.model.to_empty(device="cpu")    # built on meta (see __init__): allocate what this rank keeps
+            self.model.init_weights()            # every tensor is then overwritten; buffers get defined values
             stats = load_hf_into(self.model, path)   # this rank's tensors only (its stages, its experts' slice)
+            self.model.to(self.device)
             return (f"initialised from Hugging Face weights {path} ({stats['tensors']} tensors, "
                     f"{stats['bytes'] / 2**20:.1f} MiB read on rank {self.dims.rank}; step 0, fresh optimizer)")
         v = self.ckpt.verify(path)
