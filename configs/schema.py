@@ -110,6 +110,7 @@ class TrainConfig:
     # MTP loss weight lambda (V3: 0.3 for the first 10T tokens, then 0.1).
     mtp_loss_weight: Piecewise = field(default_factory=lambda: Piecewise(value=0.3))
     batch_ramp: BatchRamp = field(default_factory=BatchRamp)
+    ema_decay: Optional[float] = None  # parameter EMA in CPU memory, updated in the background after each step (V3 §3.3); null = off
     memory_check: bool = True         # before building: stop with one line if the per-rank memory estimate exceeds free memory
     max_skipped_steps: int = 3        # consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops with an error
 
@@ -385,6 +386,8 @@ def _check_values(cfg: Config) -> None:
     _check_piecewise("train.mtp_loss_weight", t.mtp_loss_weight)
     _need("train.max_skipped_steps", t.max_skipped_steps, t.max_skipped_steps >= 1, ">= 1")
     _check_ramp(t)
+    if t.ema_decay is not None:
+        _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")
     # parallel
     for key in ("pp", "ep", "ranks_per_node"):
         _need(f"parallel.{key}", getattr(p, key), getattr(p, key) >= 1, ">= 1")

@@ -45,8 +45,10 @@ def save_model_checkpoint(model, ckpt_dir) -> Path:
     return out
 
 
-def load_model_checkpoint(ckpt_dir, device="cpu"):
-    """The ``DeepSeekV3`` stored in ``ckpt_dir`` (built on meta, materialised on ``device``, then DCP-loaded)."""
+def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
+    """The ``DeepSeekV3`` stored in ``ckpt_dir`` (built on meta, materialised on ``device``, then DCP-loaded).
+    ``ema``: its parameters from the checkpoint's EMA (``train.ema_decay``; buffers such as the balancing
+    biases from the model)."""
     import torch.distributed.checkpoint as dcp
     import yaml
 
@@ -65,6 +67,12 @@ def load_model_checkpoint(ckpt_dir, device="cpu"):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
         dcp.load({"model": model.state_dict()}, checkpoint_id=str(src))   # fills the tensors in place
+        if ema:
+            meta = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+            if not any(k.startswith("ema.") for k in meta):
+                raise models.ConfigError(f"--ema: {src} holds no EMA (it was trained without train.ema_decay)")
+            params = {n: p.detach() for n, p in model.named_parameters()}
+            dcp.load({"ema": params}, checkpoint_id=str(src))   # fp32 EMA copied into the parameters' dtype
     for moe in model.moe_layers():   # non-persistent counters are not in the checkpoint
         moe.tokens_per_expert.zero_()
     return model
@@ -133,14 +141,14 @@ def run_import(src: Path, out: Path, dtype: str) -> None:
           f"checkpoint.init_from={out} (its model config: {out / MODEL_CONFIG})")
 
 
-def run_export(src: Path, out: Path, dtype: str | None, tokenizer: str | None) -> None:
+def run_export(src: Path, out: Path, dtype: str | None, tokenizer: str | None, ema: bool = False) -> None:
     import torch
 
     import models
 
     tok_path = Path(tokenizer) if tokenizer else carried_tokenizer(src)
     tok = load_tokenizer(tok_path) if tok_path else None
-    model = load_model_checkpoint(src)
+    model = load_model_checkpoint(src, ema=ema)
     if dtype:
         for p in model.parameters():   # the balancing bias stays fp32, as in HF
             p.data = p.data.to(getattr(torch, dtype))
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("out_hf_dir")
     exp.add_argument("--dtype", choices=DTYPES, default=None,
                      help="cast parameters before writing (default: float32, as loaded)")
+    exp.add_argument("--ema", action="store_true", help="export the parameter EMA (train.ema_decay) instead of the weights")
     exp.add_argument("--tokenizer", default=None,
                      help="HF tokenizer dir or tokenizer.json to write beside the weights (default: the one the "
                           "checkpoint carries, if any)")
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "import":
             run_import(src, Path(args.out_dir), args.dtype)
         else:
-            run_export(src, Path(args.out_hf_dir), args.dtype, args.tokenizer)
+            run_export(src, Path(args.out_hf_dir), args.dtype, args.tokenizer, args.ema)
     except (OSError, ValueError) as e:   # ConfigError is a ValueError
         print(f"convert_hf {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from .checkpoint import CheckpointManager
 from .lifecycle import StopRequests, TrainingError, is_comm_failure
 from .blend import BlendedBatches, blend_val_batches
 from .data import PackedBatches, load_corpus, val_batches
+from .ema import ParamEMA
 from .schedules import batch_size_at, lr_multiplier
 from .metrics import RUN_ID_FILE, MetricsLogger, rank_memory, saved_run_id
 
@@ -86,6 +87,7 @@ class Trainer:
         # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
         self.opt = build_optimizer(self.model, cfg, self.dims, self.pipe.grad_weight if self.pipe else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
+        self.ema = ParamEMA(self.model, t.ema_decay) if t.ema_decay else None   # from the weights as they are now
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
         self.val_sources: dict[str, list] = {}   # data.val_blend: validation batches per source
         if cfg.data.blend:
@@ -189,7 +191,10 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         extra = {"step": self.step, "tokens": self.tokens, "scheduler": {"last_epoch": self.scheduler.last_epoch},
                  "data": self.batches.state_dict(), "rng": rng}
-        return {"model": model_sd, "optim": optim_sd, "extra": extra}
+        state = {"model": model_sd, "optim": optim_sd, "extra": extra}
+        if self.ema is not None:   # single-device names and global shapes, like the weights: it reshards
+            state["ema"] = to_global(dict(self.ema.state_dict()), {}, self.model, self.dims)[0]
+        return state
 
     def maybe_resume(self) -> Path | None:
         path = self._resume_path   # chosen and verified at start-up (CheckpointManager.resolve)
@@ -197,8 +202,15 @@ class Trainer:
             return None
         self._check_model_config(path)
         state = self.state_dict()
+        ema_saved = self.ema is not None and _has_key(path, "ema")
+        if self.ema is not None and not ema_saved:
+            del state["ema"]   # train.ema_decay newly set: the EMA starts from the resumed weights
         self.ckpt.load(path, state, verify=False)
         set_model_state_dict(self.model, to_local(state["model"]))
+        if ema_saved:
+            self.ema.load_state_dict(to_local(state["ema"]))
+        elif self.ema is not None:
+            self.ema.reset()
         self.opt.load_state_dict(state["optim"])   # after the weights: ZeRO rebuilds its master pieces from them
         extra = state["extra"]
         self.step, self.tokens = extra["step"], extra["tokens"]
@@ -332,6 +344,8 @@ class Trainer:
             f"; loss {metrics.get('loss', float('nan')):.4f}; val_loss "
             f"{_fmt(summary['val_loss_start'])} -> {_fmt(summary['val_loss_end'])}{self.logger.summary()}; "
             f"run dir {self.run_dir}")
+        if self.ema is not None:
+            self.ema.wait()
         self.logger.close()
         return summary | {"last": metrics}
 
@@ -436,6 +450,8 @@ class Trainer:
         except NonFiniteGradients:
             return self.skip_step([], sums, n_micro, gbs, t0)
         self.skipped_in_a_row = 0
+        if self.ema is not None:
+            self.ema.update()   # copies the weights, then folds them in on a background thread
         self.opt.zero_grad()
         with self.phase("expert-load all-reduce"):
             self._last_load = self.update_expert_bias(gamma)
@@ -550,6 +566,12 @@ class Trainer:
             if hasattr(moe.dispatcher, "stats"):
                 moe.dispatcher.stats.reset()
         return float(sum(losses) / max(len(losses), 1))
+
+
+def _has_key(path: Path, prefix: str) -> bool:
+    """Whether the DCP checkpoint at ``path`` holds tensors under ``prefix`` (its metadata only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    return any(k == prefix or k.startswith(prefix + ".") for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _fmt(x) -> str:

@@ -1,0 +1,74 @@
+"""Exponential moving average of the parameters, in CPU memory, updated off the critical path.
+
+DeepSeek-V3 (report §3.3) keeps an EMA of the weights in CPU memory and updates it asynchronously after each
+step, so it costs no GPU memory and no step time. ``ParamEMA`` does the same for this rank's parameters
+(its pipeline stages and its expert shard): after an optimizer step, ``update`` copies the parameters into
+a reused host buffer (pinned, asynchronous, on CUDA) and hands ``ema = decay * ema + (1 - decay) * param``
+to one background thread, which overlaps the next step's compute (torch ops release the GIL). The next
+``update``, ``state_dict`` or ``load_state_dict`` waits for it first. The EMA is fp32 whatever the
+parameters' dtype; skipped steps (non-finite) do not update it. Checkpoints store it under ``ema`` with
+the model's single-device names (``parallel/state_dict.py``), so it reshards like the weights, and
+``python -m tools.convert_hf export --ema`` writes it instead of the weights.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+
+class ParamEMA:
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = float(decay)
+        self.named = [(n, p) for n, p in model.named_parameters()]
+        cuda = any(p.is_cuda for _, p in self.named)
+        self.shadow = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.named}
+        self._staging = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda) for n, p in self.named}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
+        self._pending: Future | None = None
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Fold the current parameters in (call after the optimizer step)."""
+        self.wait()
+        event = None
+        for n, p in self.named:
+            self._staging[n].copy_(p.detach(), non_blocking=p.is_cuda)
+        if any(p.is_cuda for _, p in self.named):
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = self._pool.submit(self._fold, event)
+
+    def _fold(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+        d = self.decay
+        for n, s in self.shadow.items():
+            s.mul_(d).add_(self._staging[n].float(), alpha=1 - d)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()   # re-raises what the thread raised
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self.wait()
+        return self.shadow
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.wait()
+        for n, s in self.shadow.items():
+            s.copy_(sd[n])
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Start again from the current parameters (e.g. a checkpoint written without an EMA)."""
+        self.wait()
+        for n, p in self.named:
+            self.shadow[n].copy_(p.detach())
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
