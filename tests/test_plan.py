@@ -1,0 +1,100 @@
+"""Cluster planner (tools/plan.py): the cost model's pieces and DeepSeek-V3's published step."""
+import math
+
+import pytest
+import torch
+
+import models
+from models.config import ModelConfig, preset
+from parallel.pipeline.schedules import get_schedule
+from parallel.pipeline.simulator import Costs, simulate
+from tools.plan import (V3_PUBLISHED, Hardware, StageCost, StageCosts, compose_config, ep_traffic, expected_distinct,
+                        predict, stage_work, v3_check)
+from tools.size import model_parts, split_layers
+from trainer.metrics import flops_per_token
+
+
+@pytest.mark.parametrize("name,n_stages", [("tiny", 2), ("tiny", 4), ("v3_16b", 4)])
+def test_stage_flops_sum_to_flops_per_token(name, n_stages):
+    m = preset(name)
+    model = models.build(m, "meta")
+    parts, seq = model_parts(model), 256
+    split = split_layers(m.n_layers, n_stages, None)
+    works = [stage_work(m, parts, split[s], s == 0, s == n_stages - 1, seq) for s in range(n_stages)]
+    # training = forward + Dgrad + Wgrad GEMMs (3x forward) + attention (forward + 2x backward)
+    total = sum(3 * w.forward for w in works)
+    assert total == pytest.approx(flops_per_token(m, seq, model).per_token, rel=1e-12)
+
+
+def test_expected_distinct_by_hand():
+    assert expected_distinct(2, 1, 1) == 1 and expected_distinct(2, 1, 2) == 2
+    assert expected_distinct(4, 4, 1) == pytest.approx(1.0)
+    # 2 bins of 2, draw 2 of 4: P(both in one bin) = 2 / C(4, 2) = 1/3 -> E = 1/3 * 1 + 2/3 * 2
+    assert expected_distinct(2, 2, 2) == pytest.approx(5 / 3)
+
+
+def test_nodes_per_token_vs_router():
+    """The balanced-routing estimate vs the model's own node-limited gate on random tokens: the gate picks
+    nodes by their best experts, so it spreads a token over more of its M nodes than uniform draws do; the
+    estimate is a lower bound within 20 % here (docs/planner.md)."""
+    torch.manual_seed(0)
+    m = ModelConfig(dim=64, n_routed_experts=32, n_activated_experts=4, n_expert_groups=8, n_limited_groups=4)
+    gate = models.moe.Gate(m)
+    gate.init_weights(1.0)
+    idx, _, _ = gate(torch.randn(4096, 64))
+    nodes = torch.stack([torch.unique(r // 4).numel() * torch.ones(()) for r in idx]).mean().item()
+    traffic = ep_traffic(m, ep=64, ranks_per_node=8, tokens=1, fp8_dispatch=True)
+    assert traffic.nodes_per_token <= nodes <= m.n_limited_groups
+    assert traffic.nodes_per_token == pytest.approx(nodes, rel=0.20)
+
+
+def test_ep_bytes_by_hand():
+    """Two nodes of one rank, M = 1: a token reaches exactly one node, remote with probability 1/2."""
+    m = ModelConfig(dim=128, n_routed_experts=8, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1)
+    t = ep_traffic(m, ep=2, ranks_per_node=1, tokens=100, fp8_dispatch=True)
+    assert t.nodes_per_token == 1 and t.remote_nodes == 0.5
+    assert t.inter_bytes["fwd"] == pytest.approx(100 * 0.5 * ((128 + 4) + 2 * 128))
+    assert t.inter_bytes["bwd"] == pytest.approx(100 * 0.5 * 4 * 128)
+    assert ep_traffic(m, ep=1, ranks_per_node=1, tokens=100, fp8_dispatch=True).inter_bytes["fwd"] == 0
+
+
+@pytest.mark.parametrize("name,pp", [("1f1b", 4), ("zb1p", 4), ("dualpipe", 4), ("dualpipev", 2)])
+def test_uniform_stage_costs_equal_the_simulator(name, pp):
+    """With equal stages and no all-to-all the planner's costs are the simulator's own Costs."""
+    sched = get_schedule(name, pp, 8)
+    n_st = 2 * pp if name == "dualpipev" else pp
+    ours = simulate(sched, StageCosts([StageCost(2.0, 2.0, 1.0, 0.0, 0.0)] * n_st, p2p=0.1, overlap=True))
+    ref = simulate(sched, Costs(f=2.0, b=2.0, w=1.0, p2p=0.1))
+    assert ours.makespan == pytest.approx(ref.makespan) and ours.bubble == pytest.approx(ref.bubble)
+
+
+def test_fb_overlap_rule():
+    c = StageCosts([StageCost(1.0, 1.0, 0.5, 0.4, 2.0)], p2p=0.0, overlap=True)
+    # forward's all-to-all (0.4) hides under bw (1.5); backward's (2.0) only up to f (1.0): 1.0 exposed
+    assert c.fb_parts(0, 0) == (2.5, 1.0)
+    assert StageCosts(c.stages, 0.0, overlap=False).fb_parts(0, 0) == (2.5, 2.4)
+
+
+def test_measured_profile_single_stage():
+    cfg = compose_config(["+exp=tiny"])
+    per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
+    hw = Hardware(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2)
+    p = predict(cfg, hw, 1, "bf16", "none")
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    n_comp = 1 + cfg.model.n_layers + 1
+    assert p.pipeline_s == pytest.approx(p.n_microbatches * 3 * 1e-5 * n_comp * tokens)
+
+
+def test_v3_published_step():
+    """Acceptance 1: DeepSeek-V3 (2048 H800, PP16 DualPipe, EP64, ZeRO-1) vs ISCA'25 Table 4."""
+    pred, rows = v3_check("h800")
+    assert pred.step_s == pytest.approx(V3_PUBLISHED["step"], rel=0.15)
+    for key in ("F", "B", "W", "F&B"):
+        assert pred.phases[key] == pytest.approx(V3_PUBLISHED[key], rel=0.20), key
+    assert not math.isnan(pred.mfu) and pred.fits
+
+
+@pytest.mark.xfail(strict=True, reason="the simulated bubble is ~1.2 s vs the published 2.06 s (docs/planner.md)")
+def test_v3_published_bubble():
+    pred, _ = v3_check("h800")
+    assert pred.bubble_s == pytest.approx(V3_PUBLISHED["bubble"], rel=0.15)
