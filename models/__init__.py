@@ -12,7 +12,7 @@ def from_hf(path_or_model, **kwargs):
 
 def to_hf(model, out_dir, **kwargs):
     """Write ``model`` as a dir that ``AutoModelForCausalLM.from_pretrained`` loads (see models/hf.py)."""
-    from .hf import to_hf as _to_hf
+    from .hf_export import to_hf as _to_hf
     return _to_hf(model, out_dir, **kwargs)
 
 

@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.checkpoint import CheckpointManager
-from trainer.metrics import RUN_ID_FILE, MetricsLogger, cut_back, json_line, read_offline_run, saved_run_id
+from trainer.metrics import RUN_ID_FILE, MetricsLogger, cut_back, json_line, saved_run_id
+from trainer.wandb_log import read_offline_run
 
 from .trainer_utils import fast_overrides, make_config, read_jsonl, run_inprocess
 

@@ -20,7 +20,8 @@ import models  # noqa: E402
 from bench.hf_import_rss import measure, slice_experts, synthetic_checkpoint, write_hf_checkpoint  # noqa: E402
 from models import ConfigError, ModelConfig  # noqa: E402
 from models.hf import (config_from_hf, config_from_hf_dir, config_to_hf, empty_model, hf_state_dict,  # noqa: E402
-                       load_hf_into, save_hf_shard, write_hf_index)
+                       load_hf_into)
+from models.hf_export import save_hf_shard, write_hf_index  # noqa: E402
 from parallel.pipeline.stages import build_stages, prune_model  # noqa: E402
 from tests.test_hf import max_diff, one_thread, random_hf_model, transformers_warnings  # noqa: E402,F401
 from tools.convert_hf import main  # noqa: E402

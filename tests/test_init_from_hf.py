@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import models
-from models.hf import to_hf
+from models.hf_export import to_hf
 from tools.convert_hf import main as convert_main
 from trainer.data import PackedBatches
 from trainer.train import Trainer

@@ -18,7 +18,8 @@ import pytest
 
 from tools.slurm import local_cluster as lc
 from tools.slurm.job_watch import _task_ids
-from trainer.metrics import RUN_ID_FILE, read_offline_run
+from trainer.metrics import RUN_ID_FILE
+from trainer.wandb_log import read_offline_run
 
 from .trainer_utils import ROOT, assert_losses_match, read_jsonl, run_torchrun
 

@@ -17,8 +17,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from configs.schema import register, to_object
-from trainer.metrics import (MetricsLogger, offline_run_finished, panel_name, read_offline_run,
-                             simulated_bubble)
+from trainer.metrics import MetricsLogger, panel_name, simulated_bubble
+from trainer.wandb_log import offline_run_finished, read_offline_run
 
 from .trainer_utils import ROOT, read_jsonl
 

@@ -68,8 +68,8 @@ def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
         warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
         dcp.load({"model": model.state_dict()}, checkpoint_id=str(src))   # fills the tensors in place
         if ema:
-            meta = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
-            if not any(k.startswith("ema.") for k in meta):
+            from trainer.checkpoint import has_state
+            if not has_state(src, "ema"):
                 raise models.ConfigError(f"--ema: {src} holds no EMA (it was trained without train.ema_decay)")
             params = {n: p.detach() for n, p in model.named_parameters()}
             dcp.load({"ema": params}, checkpoint_id=str(src))   # fp32 EMA copied into the parameters' dtype

@@ -30,6 +30,8 @@ import torch
 
 from models.config import ConfigError
 
+from .data import val_batches
+
 CHUNK = 1 << 14          # slots of the repeating source pattern: shares exact to 1/CHUNK
 _ROUNDS = 4
 _M64 = np.uint64((1 << 64) - 1)
@@ -183,22 +185,26 @@ class BlendedBatches:
         self.consumed_samples = int(sd["consumed_samples"])
 
 
+class _Stream:
+    """A token source seen as the 1-D array that ``trainer.data``'s window helpers index (``len``, slices)."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def __len__(self) -> int:
+        return self.src.num_tokens
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        return self.src.read(s.start, s.stop)
+
+
 def blend_val_batches(sources, names: list[str], seq_len: int, batch_size: int, max_batches: int
                       ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per validation source: its first ``max_batches`` batches of consecutive windows (all full batches for
-    ``max_batches <= 0``; one smaller batch if it holds fewer windows than a batch)."""
+    """Per validation source: ``trainer.data.val_batches`` of its stream (the first ``max_batches`` batches of
+    consecutive windows)."""
     out = {}
     for name, src in zip(names, sources):
-        n = max(0, (src.num_tokens - 1) // seq_len)
-        if n == 0:
+        if (src.num_tokens - 1) // seq_len == 0:
             raise ConfigError(f"data.val_blend: source {name} holds fewer than data.seq_len+1={seq_len + 1} tokens")
-        sizes = [n] if n < batch_size else [batch_size] * (n // batch_size if max_batches <= 0
-                                                           else min(max_batches, n // batch_size))
-        batches, w = [], 0
-        for size in sizes:
-            rows = np.stack([src.read(i * seq_len, i * seq_len + seq_len + 1) for i in range(w, w + size)])
-            rows = torch.from_numpy(rows.astype(np.int64, copy=False))
-            batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
-            w += size
-        out[name] = batches
+        out[name] = val_batches(_Stream(src), seq_len, batch_size, max_batches)
     return out

@@ -24,7 +24,7 @@ from parallel.pipeline.runner import PipelineRunner
 from parallel.state_dict import to_global, to_local
 from parallel.zero import NonFiniteGradients, build_optimizer
 
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, has_state
 from .lifecycle import StopRequests, TrainingError, is_comm_failure
 from .blend import BlendedBatches, blend_val_batches
 from .data import PackedBatches, load_corpus, val_batches
@@ -56,8 +56,7 @@ class Trainer:
             self.ckpt.check_writable()
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
         if t.memory_check:   # before anything big is built: the estimate vs free memory (tools.size)
-            from tools.size import preflight
-            self.memory_note = preflight(cfg, self.dims.world_size, self.device)
+            self.memory_note = self._preflight()
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
         self.corpus = None if cfg.data.blend else self._load_corpus()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard. Starting
@@ -144,6 +143,26 @@ class Trainer:
                 + (f"; validation: {', '.join(self.val_sources)}" if self.val_sources else "; no validation"))
         return lines
 
+    def _preflight(self) -> str:
+        """tools.size.preflight on every rank, one verdict for all: free memory differs per GPU, and a rank
+        that stopped alone would leave the others waiting for it at the next collective."""
+        from tools.size import preflight
+        try:
+            note, error = preflight(self.cfg, self.dims.world_size, self.device), None
+        except ConfigError as e:
+            note, error = "", e
+        if self.dims.world_size > 1:
+            flags = torch.zeros(self.dims.world_size, device=self.device)
+            flags[self.dims.rank] = float(error is not None)
+            torch.distributed.all_reduce(flags)
+            short = [r for r, f in enumerate(flags.tolist()) if f]
+            if short and error is None:
+                raise ConfigError(f"memory: rank(s) {', '.join(map(str, short))} lack the memory this run needs "
+                                  f"(their own error line says how much); this rank: {note.removeprefix('memory: ')}")
+        if error is not None:
+            raise error
+        return note
+
     def _lr_multiplier(self, scheduler_step: int) -> float:
         """LambdaLR's factor for its step ``scheduler_step``, after ``self.tokens`` consumed tokens."""
         return lr_multiplier(self.cfg.optim, self.cfg.train.max_steps, scheduler_step, self.tokens)
@@ -202,7 +221,7 @@ class Trainer:
             return None
         self._check_model_config(path)
         state = self.state_dict()
-        ema_saved = self.ema is not None and _has_key(path, "ema")
+        ema_saved = self.ema is not None and has_state(path, "ema")
         if self.ema is not None and not ema_saved:
             del state["ema"]   # train.ema_decay newly set: the EMA starts from the resumed weights
         self.ckpt.load(path, state, verify=False)
@@ -566,12 +585,6 @@ class Trainer:
             if hasattr(moe.dispatcher, "stats"):
                 moe.dispatcher.stats.reset()
         return float(sum(losses) / max(len(losses), 1))
-
-
-def _has_key(path: Path, prefix: str) -> bool:
-    """Whether the DCP checkpoint at ``path`` holds tensors under ``prefix`` (its metadata only)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    return any(k == prefix or k.startswith(prefix + ".") for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _fmt(x) -> str:
