@@ -35,7 +35,7 @@ plus about one checkpoint tensor. Export (``models/hf_export.py``): ``to_hf`` (o
 ``write_hf_index`` once; both write ``config.json`` and ``generation_config.json`` and, given a tokenizer, its
 files, with ``bos/eos/pad`` ids taken from it. Recipes: docs/hf.md.
 
-Config: see ``config_from_hf``/``config_to_hf``; what our model cannot express raises ``ConfigError`` naming the
+Config: see ``config_from_hf``/``config_to_hf``; what our model cannot express raises ``ModelError`` naming the
 key.
 """
 from __future__ import annotations
@@ -52,7 +52,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig, ModelError
+from .hf_config import config_from_hf
 from .moe import GroupedExperts
 from .transformer import DeepSeekV3, build
 
@@ -114,15 +115,15 @@ def expert_starts(model: DeepSeekV3, expert_range: tuple[int, int] | None = None
         if expert_range is not None:
             start, end = expert_range
             if not 0 <= start < end <= n or end - start != held:
-                raise ConfigError(f"expert_range={tuple(expert_range)}: {name} holds {held} of model.n_routed_experts"
+                raise ModelError(f"expert_range={tuple(expert_range)}: {name} holds {held} of model.n_routed_experts"
                                   f" ({n}) experts; pass (start, start + {held}) with start + {held} <= {n}")
             if offset is not None and offset != start:
-                raise ConfigError(f"expert_range={tuple(expert_range)} but {name}.expert_offset={offset} (set by "
+                raise ModelError(f"expert_range={tuple(expert_range)} but {name}.expert_offset={offset} (set by "
                                   f"apply_ep): leave expert_range unset for a model after apply_ep")
             offset = start
         elif offset is None:
             if held != n:
-                raise ConfigError(f"{name} holds {held} of model.n_routed_experts ({n}) experts and has no "
+                raise ModelError(f"{name} holds {held} of model.n_routed_experts ({n}) experts and has no "
                                   f"expert_offset: pass expert_range=(start, start + {held})")
             offset = 0
         out[name] = offset
@@ -136,7 +137,7 @@ def _hf_items(model: DeepSeekV3, expert_range=None) -> Iterator[tuple[str, str, 
         try:
             key = hf_key(name, model.cfg.n_layers)
         except KeyError:
-            raise ConfigError(f"model tensor {name} has no Hugging Face name (models/hf.py _BLOCK); convert "
+            raise ModelError(f"model tensor {name} has no Hugging Face name (models/hf.py _BLOCK); convert "
                               "weights before swapping modules (e.g. before apply_fp8)") from None
         if "{e}" in key:
             start = starts[name.rpartition(".")[0]]
@@ -151,113 +152,6 @@ def hf_state_dict(model: DeepSeekV3, expert_range: tuple[int, int] | None = None
     return {key: t for key, _, t in _hf_items(model, expert_range)}
 
 
-# ---- config ------------------------------------------------------------------------------------------
-_CONFIG = {  # ours -> HF, plain renames; the rest is handled in config_from_hf / config_to_hf
-    "vocab_size": "vocab_size", "dim": "hidden_size", "inter_dim": "intermediate_size",
-    "moe_inter_dim": "moe_intermediate_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-    "n_shared_experts": "n_shared_experts", "n_routed_experts": "n_routed_experts",
-    "n_activated_experts": "num_experts_per_tok", "route_scale": "routed_scaling_factor",
-    "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim", "max_seq_len": "max_position_embeddings", "init_std": "initializer_range",
-    "norm_eps": "rms_norm_eps",
-}
-_REQUIRED = {  # HF key: (the only value our model implements, why); an absent key counts as that value
-    "hidden_act": ("silu", "our MLPs and experts are SwiGLU"),
-    "norm_topk_prob": (True, "our gate always normalises the top-k gate values"),
-    "rope_interleave": (True, "our rope rotates interleaved pairs (DeepSeek's layout)"),
-    "attention_bias": (False, "our attention projections have no bias"),
-    "tie_word_embeddings": (False, "our embedding and output head are separate tensors"),
-    "rms_norm_eps": (1e-6, "HF (like DeepSeek's code) fixes the q/kv latent norms' eps at 1e-6 while ours "
-                           "use one eps for every norm"),
-    "scoring_func": ("sigmoid", "our gate is a sigmoid router"),          # DeepSeek remote-code keys
-    "topk_method": ("noaux_tc", "our gate routes with the bias-corrected group-limited top-k"),
-    "moe_layer_freq": (1, "every layer after the dense ones is MoE in our model"),
-}
-_HF_GROUP_TOPK = 2   # HF (like DeepSeek's code) scores an expert group by the sum of its top-2 biased scores
-
-
-def config_from_hf(hf_config, mtp_depth: int | None = None) -> ModelConfig:
-    """Our ModelConfig for a ``DeepseekV3Config`` (or its dict). ``mtp_depth`` defaults to
-    ``num_nextn_predict_layers``; ``config_from_hf_dir`` passes how many MTP modules the weights hold.
-
-    ``group_topk`` (experts summed per group score; 0 = K // M) is written as 0, what the presets say,
-    whenever 0 routes as HF does (K // M == 2, or no group limit), else as HF's 2."""
-    hf = hf_config
-    if isinstance(hf, dict):
-        from transformers import DeepseekV3Config
-        hf = DeepseekV3Config.from_dict(hf)
-    for key, (value, why) in _REQUIRED.items():
-        if getattr(hf, key, value) != value:
-            raise ConfigError(f"HF config {key}={getattr(hf, key)!r} is not supported ({why}); need {value!r}")
-    if hf.num_key_value_heads not in (None, hf.num_attention_heads):
-        raise ConfigError(f"HF config num_key_value_heads={hf.num_key_value_heads} is not supported: "
-                          f"MLA needs it equal to num_attention_heads ({hf.num_attention_heads})")
-    if not hf.n_shared_experts:
-        raise ConfigError("HF config n_shared_experts=0 is not supported (HF still builds shared-expert weights)")
-    n_group = hf.n_group or 1
-    topk_group = hf.topk_group or n_group
-    k = hf.num_experts_per_tok
-    default_topk = k // topk_group if k % topk_group == 0 else None
-    same = default_topk == _HF_GROUP_TOPK or (topk_group == n_group and default_topk is not None
-                                              and default_topk <= hf.n_routed_experts // n_group)
-    return ModelConfig(
-        **{ours: getattr(hf, theirs) for ours, theirs in _CONFIG.items()},
-        q_lora_rank=hf.q_lora_rank or 0,
-        first_k_dense=min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
-        n_expert_groups=n_group, n_limited_groups=topk_group,
-        group_topk=0 if same else _HF_GROUP_TOPK,
-        mtp_depth=(getattr(hf, "num_nextn_predict_layers", 0) or 0) if mtp_depth is None else mtp_depth,
-        **_rope_from_hf(hf),
-    )
-
-
-def config_to_hf(cfg: ModelConfig):
-    """The ``transformers.DeepseekV3Config`` that describes a model built from ``cfg``. Token ids (bos, eos,
-    pad) are left unset: they come from the tokenizer (``write_hf_metadata``)."""
-    from transformers import DeepseekV3Config
-
-    cfg.validate()
-    if cfg.norm_eps != 1e-6:
-        raise ConfigError(f"model.norm_eps={cfg.norm_eps}: HF fixes the q/kv latent norms' eps at 1e-6; "
-                          "export needs norm_eps=1e-6")
-    if cfg.n_shared_experts == 0:
-        raise ConfigError("model.n_shared_experts=0: HF DeepseekV3 always has shared experts")
-    if cfg.n_limited_groups < cfg.n_expert_groups and cfg.effective_group_topk != _HF_GROUP_TOPK:
-        raise ConfigError(f"model.group_topk: HF scores a group by its top-2 experts, this model uses "
-                          f"top-{cfg.effective_group_topk}")
-    if cfg.rope_factor > 1:
-        rope = dict(rope_type="yarn", rope_theta=cfg.rope_theta, factor=cfg.rope_factor,
-                    original_max_position_embeddings=cfg.original_max_seq_len, beta_fast=cfg.beta_fast,
-                    beta_slow=cfg.beta_slow, mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim)
-    else:
-        rope = dict(rope_type="default", rope_theta=cfg.rope_theta)
-    return DeepseekV3Config(
-        **{theirs: getattr(cfg, ours) for ours, theirs in _CONFIG.items()},
-        num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.q_lora_rank or None,
-        first_k_dense_replace=cfg.first_k_dense, n_group=cfg.n_expert_groups, topk_group=cfg.n_limited_groups,
-        num_nextn_predict_layers=cfg.mtp_depth, rope_parameters=rope, norm_topk_prob=True, hidden_act="silu",
-        rope_interleave=True, attention_bias=False, tie_word_embeddings=False,
-        architectures=["DeepseekV3ForCausalLM"], bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-
-
-def _rope_from_hf(hf) -> dict:
-    rp = dict(hf.rope_parameters or {})
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    theta = rp.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    if kind == "default":
-        return dict(rope_theta=theta)
-    if kind != "yarn":
-        raise ConfigError(f"HF config rope_parameters.rope_type={kind!r} is not supported (only 'default', 'yarn')")
-    if rp.get("attention_factor") is not None or rp.get("truncate", True) is not True:
-        raise ConfigError("HF config rope_parameters.attention_factor / truncate=False are not supported")
-    original = rp["original_max_position_embeddings"]
-    return dict(rope_theta=theta, rope_factor=rp.get("factor") or hf.max_position_embeddings / original,
-                original_max_seq_len=original, beta_fast=rp.get("beta_fast") or 32.0,
-                beta_slow=rp.get("beta_slow") or 1.0, mscale=rp.get("mscale") or 0.0,
-                mscale_all_dim=rp.get("mscale_all_dim") or 0.0)
-
-
 def config_from_hf_dir(path: str | os.PathLike) -> ModelConfig:
     """Our ModelConfig for an HF checkpoint directory: ``config.json``, with ``mtp_depth`` the number of MTP
     modules whose weights the directory holds (``save_pretrained`` of a ``transformers`` model keeps
@@ -266,7 +160,7 @@ def config_from_hf_dir(path: str | os.PathLike) -> ModelConfig:
 
 
 def check_config(cfg: ModelConfig, path: str | os.PathLike) -> None:
-    """Raise ``ConfigError`` naming the key, both values and the fix when a model built from ``cfg`` cannot
+    """Raise ``ModelError`` naming the key, both values and the fix when a model built from ``cfg`` cannot
     hold the weights in ``path`` as they were trained. ``init_std`` and ``max_seq_len`` touch no weight;
     a smaller ``mtp_depth`` drops the extra MTP modules; ``group_topk`` compares the routing it means."""
     _check_config(cfg, _HFDir(path))
@@ -303,12 +197,12 @@ class _HFDir:
     def file_of(self, key: str, name: str) -> Path:
         file = self.where.get(key)
         if file is None:
-            raise ConfigError(f"{self.root}: no tensor {key} (our {name}) in "
+            raise ModelError(f"{self.root}: no tensor {key} (our {name}) in "
                               f"{INDEX if (self.root / INDEX).is_file() else 'the *.safetensors files'}; either a "
                               "shard file is missing or the model config does not match config.json (build the "
                               "model from models.hf.config_from_hf_dir)")
         if not file.is_file():
-            raise ConfigError(f"{self.root / INDEX} maps {key} to {file.name}, which does not exist: copy every "
+            raise ModelError(f"{self.root / INDEX} maps {key} to {file.name}, which does not exist: copy every "
                               "shard file the index names")
         return file
 
@@ -333,7 +227,7 @@ def _check_config(cfg: ModelConfig, src: _HFDir) -> None:
             a, b = cfg.effective_group_topk, theirs.effective_group_topk
         if a != b:
             hint = "holds MTP weights for" if key == "mtp_depth" else "gives"
-            raise ConfigError(f"model.{key}={a!r} but {src.root} {hint} {b!r}: set model.{key}={b!r} (or build "
+            raise ModelError(f"model.{key}={a!r} but {src.root} {hint} {b!r}: set model.{key}={b!r} (or build "
                               f"the model from models.hf.config_from_hf_dir('{src.root}'))")
 
 
@@ -354,7 +248,7 @@ def load_hf_into(model: DeepSeekV3, hf_dir: str | os.PathLike, *, expert_range: 
     in the directory must have found a place (a full model; ``from_hf`` uses it).
 
     Returns ``{"tensors", "bytes", "files", "dequantized", "seconds"}``: checkpoint tensors read (scales
-    included), their bytes as stored, files opened, FP8 tensors dequantised. Raises ``ConfigError`` naming
+    included), their bytes as stored, files opened, FP8 tensors dequantised. Raises ``ModelError`` naming
     the HF key, file and fix for a config mismatch, a missing tensor or a shape mismatch.
     """
     src = hf_dir if isinstance(hf_dir, _HFDir) else _HFDir(hf_dir)
@@ -380,7 +274,7 @@ def load_hf_into(model: DeepSeekV3, hf_dir: str | os.PathLike, *, expert_range: 
     if strict:
         unused = sorted(k for k in src.where if k not in read and not _SKIPPED_ON_IMPORT.search(k))
         if unused:
-            raise ConfigError(f"{src.root}: {len(unused)} tensors have no place in the model, e.g. "
+            raise ModelError(f"{src.root}: {len(unused)} tensors have no place in the model, e.g. "
                               f"{unused[:3]} in {src.where[unused[0]].name}: config.json does not describe "
                               "these weights")
     for moe in model.moe_layers():
@@ -398,14 +292,14 @@ def _read_into(src: _HFDir, file: Path, key: str, name: str, dst: torch.Tensor, 
     with safe_open(file, "pt") as f:   # one handle per tensor: its pages leave RSS when it closes
         t = f.get_tensor(key)          # mapped, not yet read
         if tuple(t.shape) != tuple(dst.shape):
-            raise ConfigError(f"{file}: {key} has shape {tuple(t.shape)}, our {name} needs {tuple(dst.shape)}: "
+            raise ModelError(f"{file}: {key} has shape {tuple(t.shape)}, our {name} needs {tuple(dst.shape)}: "
                               f"the model config does not match {src.root / 'config.json'} (build the model from "
                               "models.hf.config_from_hf_dir)")
         if scale is not None:
             _dequant_into(dst, t, scale, src.block, key, file)
             stats["dequantized"] += 1
         elif t.dtype in _FP8:
-            raise ConfigError(f"{file}: {key} is {t.dtype} but the checkpoint has no {key}_scale_inv")
+            raise ModelError(f"{file}: {key} is {t.dtype} but the checkpoint has no {key}_scale_inv")
         else:
             dst.copy_(t)
         _count(stats, file, t.numel() * t.element_size())
@@ -424,7 +318,7 @@ def _read_fused_into(src: _HFDir, base: str, parts: list, stats: dict) -> None:
                 half = w.shape[0] // 2
                 w = w[:half] if proj == "gate" else w[half:]
             if tuple(w.shape) != tuple(dst.shape):
-                raise ConfigError(f"{file}: {base}[{e}] ({proj}) has shape {tuple(w.shape)}, our {name} needs "
+                raise ModelError(f"{file}: {base}[{e}] ({proj}) has shape {tuple(w.shape)}, our {name} needs "
                                   f"{tuple(dst.shape)}: the model config does not match config.json")
             dst.copy_(w)
         _count(stats, file, t.numel() * t.element_size())
@@ -442,7 +336,7 @@ def _dequant_into(dst: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, b
     (rows, cols), (br, bc) = w.shape, block
     want = (-(-rows // br), -(-cols // bc))
     if tuple(scale_inv.shape) != want:
-        raise ConfigError(f"{file}: {key}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for "
+        raise ModelError(f"{file}: {key}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for "
                           f"{tuple(w.shape)} in {br}x{bc} blocks (config.json quantization_config.weight_block_size)")
     for i in range(want[0]):
         s = scale_inv[i].repeat_interleave(bc)[:cols]
@@ -479,7 +373,7 @@ def _mtp_depth(hf_cfg, keys) -> int:
     n, want = hf_cfg.num_hidden_layers, getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
     found = {int(m[1]) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n}
     if found and found != set(range(n, n + want)):
-        raise ConfigError(f"HF config num_nextn_predict_layers={want} but the checkpoint holds layers "
+        raise ModelError(f"HF config num_nextn_predict_layers={want} but the checkpoint holds layers "
                           f"{sorted(found)} beyond num_hidden_layers={n}")
     return want if found else 0
 

@@ -15,8 +15,9 @@ from typing import Collection, Iterable
 import torch
 from safetensors.torch import save_file
 
-from .config import ConfigError, ModelConfig
-from .hf import INDEX, _MTP_HEAD, _ROUTED, _header, _hf_items, config_to_hf
+from .config import ModelError, ModelConfig
+from .hf import INDEX, _MTP_HEAD, _ROUTED, _header, _hf_items
+from .hf_config import config_to_hf
 from .transformer import DeepSeekV3, build
 
 
@@ -81,12 +82,12 @@ def write_hf_index(out_dir: str | os.PathLike, weight_maps: Iterable[dict[str, s
     for part in weight_maps:
         for key, file in part.items():
             if merged.setdefault(key, file) != file:
-                raise ConfigError(f"{key} was written to both {merged[key]} and {file}: each tensor must come from "
+                raise ModelError(f"{key} was written to both {merged[key]} and {file}: each tensor must come from "
                                   "one rank (save_hf_shard(replicated=False) or exclude= on the others)")
     expected = set(_export_keys(cfg))
     missing, extra = sorted(expected - set(merged)), sorted(set(merged) - expected)
     if missing or extra:
-        raise ConfigError(f"{out}: the shards do not hold the model of this config: missing {missing[:3]} "
+        raise ModelError(f"{out}: the shards do not hold the model of this config: missing {missing[:3]} "
                           f"({len(missing)}), unexpected {extra[:3]} ({len(extra)}); every rank must call "
                           "save_hf_shard (with its experts and stages) before write_hf_index")
     headers = {}
@@ -138,9 +139,9 @@ def _check_tokenizer(tokenizer, cfg: ModelConfig) -> None:
     if tokenizer is None:
         return
     if len(tokenizer) > cfg.vocab_size:
-        raise ConfigError(f"tokenizer has {len(tokenizer)} tokens, more than model.vocab_size ({cfg.vocab_size})")
+        raise ModelError(f"tokenizer has {len(tokenizer)} tokens, more than model.vocab_size ({cfg.vocab_size})")
     if tokenizer.eos_token_id is None:
-        raise ConfigError("tokenizer defines no eos_token: set it (tokenizer.eos_token = ...) before export")
+        raise ModelError("tokenizer defines no eos_token: set it (tokenizer.eos_token = ...) before export")
 
 
 def _export_items(model: DeepSeekV3, expert_range=None, exclude: Collection[str] = ()) -> list:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs.schema import BatchRamp, LRPhase, OptimConfig, TrainConfig
-from models.config import ConfigError
+from errors import ConfigError
 from trainer.blend import CHUNK, BlendedBatches, blend_val_batches, feistel_permute, source_pattern
 from trainer.schedules import batch_size_at, lr_multiplier, phase_lr, ramp_sizes
 

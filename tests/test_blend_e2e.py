@@ -55,7 +55,7 @@ def test_resume_with_another_blend_names_the_key(tmp_path, blend):
               f"checkpoint.dir={tmp_path}/ck"]
     run_inprocess(tmp_path / "a", *common, *blend, "train.stop_at_step=1")
     changed = [blend[0].replace("weight: 0.2", "weight: 0.4"), blend[1]]
-    from models.config import ConfigError
+    from errors import ConfigError
     with pytest.raises(ConfigError, match=r"^data\.blend: the checkpoint's blend was \[web .*weight 0\.2\)\], this run's is .*weight 0\.4\)\]"):
         run_inprocess(tmp_path / "a", *common, *changed)
 

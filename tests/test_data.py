@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.config import ConfigError
+from errors import ConfigError
 from trainer.data import PackedBatches, load_corpus, val_batches
 
 

@@ -114,7 +114,7 @@ def test_ep_matches_single_device(tmp_path, world, ep, rpn, dispatcher, skew):
     (dict(world_size=8, ep=4, ranks_per_node=3), "parallel.ep"),
 ])
 def test_invalid_layouts(kw, key):
-    from models.config import ConfigError
+    from errors import ConfigError
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         ParallelDims(**kw)
 
@@ -124,14 +124,14 @@ def test_invalid_layouts(kw, key):
     (dict(n_expert_groups=4, n_limited_groups=2), "model.n_expert_groups"),
 ])
 def test_invalid_model_for_layout(cfg_kw, key):
-    from models.config import ConfigError
+    from errors import ConfigError
     dims = ParallelDims(world_size=4, ep=4, ranks_per_node=2)   # 2 EP nodes
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         dims.check_model(ModelConfig(**cfg_kw))
 
 
 def test_m_greater_than_nodes_rejected():
-    from models.config import ConfigError
+    from errors import ConfigError
     dims = ParallelDims(world_size=4, ep=4, ranks_per_node=2)
     cfg = ModelConfig(n_expert_groups=2, n_limited_groups=2, n_activated_experts=2)
     dims.check_model(cfg)   # M = nodes is allowed

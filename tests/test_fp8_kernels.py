@@ -1,6 +1,6 @@
 """FP8 Triton kernels vs their plain-torch references (``kernels/reference.py``).
 
-Without CUDA the kernels run under the Triton interpreter (``kernels/__init__.py`` sets TRITON_INTERPRET
+Without CUDA the kernels run under the Triton interpreter (``kernels.configure()`` sets TRITON_INTERPRET
 before any kernel is defined), so shapes are chosen to need only a few large programs. With CUDA the same
 tests run compiled, with the production launch configs (``GPU_CONFIG``: TMA + warp specialisation;
 ``POINTER_CONFIG``), at larger shapes too (DeepSeek-V3 sizes, ragged and empty experts).
@@ -13,7 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference as ref  # noqa: E402  (sets TRITON_INTERPRET first)
+import kernels  # noqa: E402
+
+kernels.configure()   # before the kernel modules are imported: the interpreter when there is no CUDA
+from kernels import reference as ref  # noqa: E402
 from kernels import gemm as tgemm  # noqa: E402
 from kernels import grouped_gemm as tgrouped  # noqa: E402
 from kernels import quant as tquant  # noqa: E402

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
 import models  # noqa: E402
-from models import ConfigError, ModelConfig  # noqa: E402
-from models.hf import config_from_hf, config_to_hf, hf_state_dict  # noqa: E402
+from models import ModelConfig, ModelError  # noqa: E402
+from models.hf import hf_state_dict  # noqa: E402
+from models.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from models.layers import rope_cos_sin  # noqa: E402
 from tools.convert_hf import load_model_checkpoint, main, save_model_checkpoint  # noqa: E402
 
@@ -273,7 +274,7 @@ def test_cli_errors_in_process(tmp_path, capsys):
                                        ("attention_bias", True), ("tie_word_embeddings", True),
                                        ("num_key_value_heads", 2), ("hidden_act", "gelu"), ("rms_norm_eps", 1e-5)])
 def test_unsupported_hf_config(key, value):
-    with pytest.raises(ConfigError, match=key):
+    with pytest.raises(ModelError, match=key):
         config_from_hf(DeepseekV3Config(**{**BASE, key: value}))
 
 
@@ -287,7 +288,7 @@ def test_release_style_config():
     cfg = config_from_hf(release)
     assert (cfg.rope_factor, cfg.original_max_seq_len, cfg.mscale, cfg.mscale_all_dim) == (40, 64, 1.0, 1.0)
     assert (cfg.n_expert_groups, cfg.n_limited_groups, cfg.group_topk, cfg.mtp_depth) == (4, 2, 2, 1)
-    with pytest.raises(ConfigError, match="scoring_func"):
+    with pytest.raises(ModelError, match="scoring_func"):
         config_from_hf({**release, "scoring_func": "softmax"})
 
 
@@ -298,7 +299,7 @@ def test_config_round_trip_and_unexportable():
         assert back.effective_group_topk == cfg.effective_group_topk
         back.group_topk = cfg.group_topk
         assert back == cfg
-    with pytest.raises(ConfigError, match="group_topk"):
+    with pytest.raises(ModelError, match="group_topk"):
         config_to_hf(tiny_cfg(n_routed_experts=8, n_expert_groups=2, n_limited_groups=1, group_topk=3))
-    with pytest.raises(ConfigError, match="norm_eps"):
+    with pytest.raises(ModelError, match="norm_eps"):
         config_to_hf(tiny_cfg(norm_eps=1e-5))

@@ -18,10 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, 
 
 import models  # noqa: E402
 from bench.hf_import_rss import measure, slice_experts, synthetic_checkpoint, write_hf_checkpoint  # noqa: E402
-from models import ConfigError, ModelConfig  # noqa: E402
-from models.hf import (config_from_hf, config_from_hf_dir, config_to_hf, empty_model, hf_state_dict,  # noqa: E402
-                       load_hf_into)
+from configs import model_preset  # noqa: E402
+from models import ModelConfig, ModelError  # noqa: E402
+from models.hf import config_from_hf_dir, empty_model, hf_state_dict, load_hf_into  # noqa: E402
+from models.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from models.hf_export import save_hf_shard, write_hf_index  # noqa: E402
+from parallel.pipeline.schedules import get_schedule  # noqa: E402
 from parallel.pipeline.stages import build_stages, prune_model  # noqa: E402
 from tests.test_hf import max_diff, one_thread, random_hf_model, transformers_warnings  # noqa: E402,F401
 from tools.convert_hf import main  # noqa: E402
@@ -110,7 +112,7 @@ def test_streaming_import_full_halves_and_stage(variant, ckpts):
     for m in half1.moe_layers():
         del m.experts.expert_offset
     half1 = half1.to_empty(device="cpu")
-    with pytest.raises(ConfigError, match="expert_range"):
+    with pytest.raises(ModelError, match="expert_range"):
         load_hf_into(half1, hf_dir)
     s0, s1 = load_hf_into(half0, hf_dir), load_hf_into(half1, hf_dir, expert_range=(4, 8))
     assert_slice_of(state(half0), full, (0, 4))
@@ -119,7 +121,7 @@ def test_streaming_import_full_halves_and_stage(variant, ckpts):
 
     # (c) the last of two pipeline stages (layer 2 of 3, head) with the upper half of the experts
     stage = models.build(cfg, "meta")
-    prune_model(stage, build_stages(stage, "1f1b", 2, 1))
+    prune_model(stage, build_stages(stage, get_schedule("1f1b", 2), 1))
     stage = slice_experts(stage, 4, 4).to_empty(device="cpu")
     sc = load_hf_into(stage, hf_dir)
     part = state(stage)
@@ -131,7 +133,7 @@ def test_streaming_import_full_halves_and_stage(variant, ckpts):
 def test_import_errors_name_key_file_and_fix(ckpts, tmp_path):
     src = ckpts["fp8"]
     cfg = config_from_hf_dir(src)
-    with pytest.raises(ConfigError, match=r"model.route_scale=1.0 but .* gives 2.5: set model.route_scale=2.5"):
+    with pytest.raises(ModelError, match=r"model.route_scale=1.0 but .* gives 2.5: set model.route_scale=2.5"):
         load_hf_into(empty_model(dataclasses.replace(cfg, route_scale=1.0)), src)
 
     bad = tmp_path / "bad"
@@ -143,11 +145,11 @@ def test_import_errors_name_key_file_and_fix(ckpts, tmp_path):
     file = index["weight_map"].pop(key)
     (bad / "model.safetensors.index.json").unlink()
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ConfigError, match=rf"no tensor {key} \(our layers.2.ffn.experts.w3\)"):
+    with pytest.raises(ModelError, match=rf"no tensor {key} \(our layers.2.ffn.experts.w3\)"):
         load_hf_into(empty_model(cfg), bad)
     index["weight_map"][key] = "model-00009-of-00003.safetensors"
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ConfigError, match=r"model-00009-of-00003.safetensors, which does not exist"):
+    with pytest.raises(ModelError, match=r"model-00009-of-00003.safetensors, which does not exist"):
         load_hf_into(empty_model(cfg), bad)
     index["weight_map"][key] = file
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -155,7 +157,7 @@ def test_import_errors_name_key_file_and_fix(ckpts, tmp_path):
     config = json.loads((src / "config.json").read_text())
     (bad / "config.json").unlink()
     (bad / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 48}))
-    with pytest.raises(ConfigError, match=r"model-0000\d-of-00003.safetensors: model.layers.1.mlp.experts.0.down_proj"
+    with pytest.raises(ModelError, match=r"model-0000\d-of-00003.safetensors: model.layers.1.mlp.experts.0.down_proj"
                                           r".weight has shape \(144, 40\), our layers.1.ffn.experts.w2 needs "
                                           r"\(144, 48\): the model config does not match"):
         load_hf_into(empty_model(config_from_hf_dir(bad)), bad)
@@ -174,7 +176,7 @@ def test_fused_expert_files_and_strict_import(ckpts, tmp_path):
     assert_slice_of(state(half), full, (4, 8))
     assert_slice_of(state(models.from_hf(tmp_path)), full, (0, 8))
     save_file({"model.extra.weight": torch.zeros(2)}, str(tmp_path / "extra.safetensors"))
-    with pytest.raises(ConfigError, match=r"1 tensors have no place in the model, e.g. \['model.extra.weight'\] "
+    with pytest.raises(ModelError, match=r"1 tensors have no place in the model, e.g. \['model.extra.weight'\] "
                                           r"in extra.safetensors"):
         models.from_hf(tmp_path)
 
@@ -183,7 +185,7 @@ def test_imported_config_is_the_preset_it_came_from():
     """No silent rewrites: a preset survives the trip through HF's config unchanged (``group_topk`` stays 0,
     meaning K/M = 2, HF's fixed top-2 group score); HF configs needing another value record it."""
     for name in ("tiny", "v3_small", "v3_16b", "v3_671b"):
-        cfg = models.preset(name)
+        cfg = model_preset(name)
         assert config_from_hf(config_to_hf(cfg)) == cfg, name
     assert config_from_hf(DeepseekV3Config(**{**HF, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
                                               "n_routed_experts": 16})).group_topk == 0
@@ -213,7 +215,7 @@ def test_sharded_export_pp2_ep2(tmp_path):
     for pp_rank in range(2):
         for ep_rank in range(2):
             rank_model = copy.deepcopy(ours)
-            prune_model(rank_model, build_stages(rank_model, "1f1b", 2, pp_rank))
+            prune_model(rank_model, build_stages(rank_model, get_schedule("1f1b", 2), pp_rank))
             slice_experts(rank_model, 4 * ep_rank, 4)
             # the last stage holds a tied copy of stage 0's embedding (for MTP): stage 0 writes it
             exclude = {"embed.weight"} if pp_rank == 1 else set()
@@ -222,9 +224,9 @@ def test_sharded_export_pp2_ep2(tmp_path):
     assert {f for m in maps for f in m.values()} == {"model-rank00000.safetensors", "model-rank00001.safetensors",
                                                     "model-rank00002.safetensors", "model-rank00003.safetensors",
                                                     "mtp-rank00002.safetensors", "mtp-rank00003.safetensors"}
-    with pytest.raises(ConfigError, match="missing"):
+    with pytest.raises(ModelError, match="missing"):
         write_hf_index(tmp_path, maps[:3], ours.cfg)
-    with pytest.raises(ConfigError, match="written to both"):
+    with pytest.raises(ModelError, match="written to both"):
         write_hf_index(tmp_path, maps + [{"model.norm.weight": "model-rank00003.safetensors"}], ours.cfg)
     write_hf_index(tmp_path, maps, ours.cfg, tokenizer=tok)
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from models.config import ConfigError
+from errors import ConfigError
 from trainer.tokens import MANIFEST, open_tokens, verify, write_shard
 
 CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}

@@ -5,8 +5,10 @@ import time
 
 import pytest
 
-from models.config import ConfigError
-from tools.size import LIMIT_ENV, plan_memory, preflight
+from errors import ConfigError
+from parallel.dims import ParallelDims
+from tools.size import plan_memory
+from trainer.preflight import LIMIT_ENV, preflight
 
 from .test_trainer import SMALL, cache  # noqa: F401 - the same small run and data-cache fixture
 from .trainer_utils import fast_overrides, make_config, read_jsonl, run_cli, run_inprocess
@@ -87,14 +89,14 @@ def test_preflight_names_the_key_that_fits(monkeypatch):
     assert z2 < z0
     monkeypatch.setenv(LIMIT_ENV, str((z0 + z2) / 2 / 1e9))
     with pytest.raises(ConfigError, match=r"^memory: .* it fits with parallel\.zero=2"):
-        preflight(cfg, 4, None)
-    assert preflight(cfg2, 4, None).startswith("memory: ~")
+        preflight(cfg, ParallelDims(world_size=4), None)
+    assert preflight(cfg2, ParallelDims(world_size=4), None).startswith("memory: ~")
 
 
 def test_wandb_run_name_from_experiment_and_layout():
     from omegaconf import OmegaConf
 
-    from trainer.metrics import run_name
+    from trainer.wandb_panels import run_name
     cfg = OmegaConf.to_container(OmegaConf.structured(make_config("parallel.pp=2", "parallel.ep=2",
                                                                   "parallel.schedule=dualpipe", world_size=4)))
     assert run_name(cfg, 4) == "d64-l4-e8-pp2-ep2-dp2-dualpipe-fp32".replace("d64", f"d{cfg['model']['dim']}")

@@ -65,7 +65,7 @@ def test_deepspeed_backend_needs_two_processes():
     from parallel.dims import ParallelDims
     from parallel.zero.deepspeed_backend import DeepSpeedZero
     import models
-    from models.config import ConfigError
+    from errors import ConfigError
     with pytest.raises(ConfigError, match="zero_backend=deepspeed needs >= 2 data-parallel processes"):
         make_config("parallel.zero=1", DS)   # validation, before anything is built
     cfg = make_config("parallel.zero=1")

@@ -25,6 +25,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from errors import ConfigError
+
 MODEL_CONFIG = "model_config.yaml"
 DTYPES = ("float32", "bfloat16", "float16")
 # DCP's notice that, torch.distributed being uninitialised, it saves/loads in one process: the intent here.
@@ -62,7 +64,7 @@ def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
     values = yaml.safe_load((src / MODEL_CONFIG).read_text()) or {}
     known = {f.name for f in dataclasses.fields(models.ModelConfig)}
     if unknown := sorted(set(values) - known):
-        raise models.ConfigError(f"{src / MODEL_CONFIG}: unknown model keys {unknown}")
+        raise ConfigError(f"{src / MODEL_CONFIG}: unknown model keys {unknown}")
     model = models.build(models.ModelConfig(**values), "meta").to_empty(device=device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
@@ -70,7 +72,7 @@ def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
         if ema:
             from trainer.checkpoint import has_state
             if not has_state(src, "ema"):
-                raise models.ConfigError(f"--ema: {src} holds no EMA (it was trained without train.ema_decay)")
+                raise ConfigError(f"--ema: {src} holds no EMA (it was trained without train.ema_decay)")
             params = {n: p.detach() for n, p in model.named_parameters()}
             dcp.load({"ema": params}, checkpoint_id=str(src))   # fp32 EMA copied into the parameters' dtype
     for moe in model.moe_layers():   # non-persistent counters are not in the checkpoint
@@ -80,15 +82,14 @@ def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
 
 def load_tokenizer(path):
     """A HF tokenizer directory or tokenizer.json, loaded as the trainer loads ``data.tokenizer``, with
-    ``eos_token`` set to the end-of-text token the trainer finds in it (trainer/data.py)."""
-    import models
-    from trainer.data import _eos_id, _user_tokenizer
+    ``eos_token`` set to the end-of-text token the trainer finds in it (trainer/tokenizer.py)."""
+    from trainer.tokenizer import _eos_id, _user_tokenizer
 
     try:
         tok, _ = _user_tokenizer(str(path))
         _eos_id(tok, str(path))
-    except models.ConfigError as e:   # its messages name the trainer's key; here the flag is --tokenizer
-        raise models.ConfigError(str(e).replace("data.tokenizer", "--tokenizer", 1)) from None
+    except ConfigError as e:   # its messages name the trainer's key; here the flag is --tokenizer
+        raise ConfigError(str(e).replace("data.tokenizer", "--tokenizer", 1)) from None
     return tok
 
 

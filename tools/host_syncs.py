@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from configs.schema import register, to_object, validate
     from trainer.train import Trainer
     register()
-    from models.config import ConfigError
+    from errors import ConfigError
     try:
         with initialize_config_module("configs", version_base=None):
             cfg = validate(to_object(compose("config", overrides=["logging.wandb.mode=disabled",

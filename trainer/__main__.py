@@ -21,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from configs.schema import check_key, register, to_object, validate
-from models.config import ConfigError
+from errors import ConfigError
+from models.config import ModelError
 from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, TrainingError
 
 register()
@@ -72,7 +73,7 @@ def main(dcfg: DictConfig) -> None:
         from .train import Trainer   # heavy imports after the config is known to be valid
         dims, device = _init_distributed(cfg)
         trainer = Trainer(cfg, _shared_run_dir(HydraConfig.get().runtime.output_dir, dims), dims, device)
-    except ConfigError as e:          # a checkpoint, the data, the memory estimate
+    except (ConfigError, ModelError) as e:   # a checkpoint, a HF directory, the data, the memory estimate
         _config_error(e, maybe_own=True)
     # A rank ended by a signal it cannot handle in Python (NCCL's watchdog aborts a rank whose collective timed
     # out: SIGABRT) prints every thread's Python stack first: the MoE layer or pipeline action it was in.
@@ -81,7 +82,7 @@ def main(dcfg: DictConfig) -> None:
         summary = trainer.train()
     except TrainingError as e:        # one line naming rank, step, phase; no barrier that would wait out peers
         _exit_now(f"error: {e}", EXIT_FAILED)
-    except ConfigError as e:
+    except (ConfigError, ModelError) as e:
         _exit_now(f"error: {e}", EXIT_CONFIG)
     except SystemExit:                # a launcher's own signal handler ended the run (submitit: requeue on USR2)
         raise

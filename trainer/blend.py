@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.config import ConfigError
+from errors import ConfigError
 
 from .data import val_batches
 

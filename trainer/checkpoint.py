@@ -48,8 +48,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from models.config import ConfigError  # noqa: F401 - the base of every checkpoint error, re-exported
+from errors import ConfigError  # noqa: F401 - the base of every checkpoint error, re-exported
 
+from .ckpt_io import _dist, _from_checkpoint_exception, _fsync_dir, _guard, _Reader, _write_synced, _Writer
 from .ckpt_integrity import (  # noqa: F401 - re-exported: trainer.checkpoint is the public module
     CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError, HASH, MANIFEST,
     MANIFEST_FORMAT, NoGoodCheckpointError, NonFiniteStateError, STEP_DIR, Verdict, _digests,
@@ -363,88 +364,6 @@ class CheckpointManager:
         older = [p for p in reversed(self.complete()) if _step_of(p) < _step_of(saved)]
         for p in older[self.keep - 1:]:
             shutil.rmtree(p, ignore_errors=True)
-
-
-# ---- helpers -----------------------------------------------------------------------------------------
-class _Writer(dcp.FileSystemWriter):
-    """Remembers the files this rank wrote (to hash them while they are in the page cache)."""
-
-    def write_data(self, plan, planner):
-        self._fut = super().write_data(plan, planner)
-        return self._fut
-
-    def written(self) -> list[str]:
-        fut = getattr(self, "_fut", None)
-        if fut is None:
-            return []
-        return sorted({r.storage_data.relative_path for r in fut.value()
-                       if getattr(r.storage_data, "relative_path", None)})
-
-
-class _Reader(dcp.FileSystemReader):
-    """Names the shard file in a read error (DCP's own error names no file)."""
-
-    def read_data(self, plan, planner):
-        self._current = None
-        try:
-            return super().read_data(plan, planner)
-        except Exception as e:
-            f = self._current
-            where = f"{Path(str(self.path)) / f}" if f else f"a shard of {self.path}"
-            raise DamagedCheckpointError(
-                f"checkpoint.resume: {where} cannot be read ({_oneline(e)}). Restore it, or resume from another "
-                f"checkpoint (checkpoint.resume=<another step dir> or none)", Path(str(self.path)), f) from e
-
-    def _slice_file(self, file, sinfo):
-        self._current = sinfo.relative_path
-        return super()._slice_file(file, sinfo)
-
-
-def _guard(fn):
-    try:
-        return fn()
-    except Exception as e:   # the result goes into a collective: an error must not skip it
-        return f"<could not be checked: {_oneline(e)}>"
-
-
-def _from_checkpoint_exception(e: CheckpointException) -> tuple[str, int | None]:
-    for rank, (exc, _) in sorted(e.failures.items()):
-        cur: BaseException | None = exc
-        while cur is not None:   # the OSError may be wrapped
-            if isinstance(cur, OSError):
-                return f"rank {rank}: {_os_error(cur)}", cur.errno
-            cur = cur.__cause__ or cur.__context__
-    rank, (exc, _) = sorted(e.failures.items())[0]
-    return f"rank {rank}: {_oneline(exc)}", None
-
-
-def _dist():
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        return torch.distributed
-    return None
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory (its entries: renames, new files). Its files are synced one by one when written
-    (DCP's ``sync_files``, ``_write_synced``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

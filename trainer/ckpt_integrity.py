@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
-from models.config import ConfigError
+from errors import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"

@@ -32,7 +32,7 @@ from typing import Iterable
 
 import numpy as np
 
-from models.config import ConfigError
+from errors import ConfigError
 from trainer.data import _atomic_write
 
 MAGIC = b"MMIDIDX\x00\x00"

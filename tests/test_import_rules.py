@@ -1,0 +1,127 @@
+"""The import rules of docs/architecture.md, read from the source (every ``import``, lazy ones inside
+functions included, so a rule cannot be dodged by importing late):
+
+- ``models/``, ``kernels/`` and ``errors/`` import nothing else of the project;
+- a pipeline schedule imports only its action vocabulary (``parallel.pipeline.schedules``);
+- ``parallel/`` never imports ``configs/``, ``trainer/``, ``tools/`` or ``bench/``;
+- no module writes ``os.environ`` when it is imported (only inside functions someone calls).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("models", "kernels", "errors", "parallel", "configs", "trainer", "tools", "bench")
+SCHEDULES = "parallel.pipeline.schedules"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, tuple[Path, ast.Module]]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            out[_module_name(path)] = (path, ast.parse(path.read_text(), str(path)))
+    return out
+
+
+SOURCES = _sources()
+
+
+def _imports(name: str, tree: ast.Module) -> set[str]:
+    """Absolute names of everything ``name`` imports, anywhere in the file."""
+    is_pkg = SOURCES[name][0].name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in SOURCES)
+    return found
+
+
+def _project(mods: set[str]) -> set[str]:
+    return {m for m in mods if m.split(".")[0] in PACKAGES}
+
+
+def _violations(allowed) -> list[str]:
+    return sorted(f"{name} imports {m}" for name, (_, tree) in SOURCES.items()
+                  for m in _project(_imports(name, tree)) if not allowed(name, m))
+
+
+def _inside(name: str, *pkgs: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in pkgs)
+
+
+def test_sources_were_found():
+    assert {"models.moe", "kernels.quant", "errors", "parallel.dims", "configs.schema", "trainer.train",
+            f"{SCHEDULES}.dualpipe"} <= set(SOURCES)
+
+
+@pytest.mark.parametrize("pkg", ["models", "kernels", "errors"])
+def test_bottom_packages_import_nothing_else_of_the_project(pkg):
+    assert _violations(lambda name, m: not _inside(name, pkg) or _inside(m, pkg)) == []
+
+
+def test_schedules_import_only_their_action_vocabulary():
+    assert _violations(lambda name, m: not _inside(name, SCHEDULES) or _inside(m, SCHEDULES)) == []
+
+
+def test_parallel_never_imports_configs_trainer_tools_or_bench():
+    assert _violations(lambda name, m: not _inside(name, "parallel")
+                       or not _inside(m, "configs", "trainer", "tools", "bench")) == []
+
+
+def _environ_writes_at_import(tree: ast.Module) -> list[int]:
+    """Lines of statements run at import (module and class bodies, not function bodies) that write
+    ``os.environ``: item assignment or deletion, ``setdefault``/``update``/``pop``/``clear``, ``os.putenv``."""
+    lines, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) \
+                and ast.unparse(node.value) in ("os.environ", "environ"):
+            lines.append(node.lineno)
+        if isinstance(node, ast.Call):
+            fn = ast.unparse(node.func)
+            if fn in ("os.putenv", "putenv") or any(fn == f"{e}.{m}" for e in ("os.environ", "environ")
+                                                   for m in ("setdefault", "update", "pop", "clear", "popitem")):
+                lines.append(node.lineno)
+        todo.extend(ast.iter_child_nodes(node))
+    return sorted(lines)
+
+
+def test_no_module_writes_the_environment_at_import():
+    bad = {name: lines for name, (_, tree) in SOURCES.items() if (lines := _environ_writes_at_import(tree))}
+    assert bad == {}
+
+
+def test_the_checks_can_fail():
+    """Each rule, fed a module that breaks it, reports it (so an empty list above means something)."""
+    tree = ast.parse("import os\nos.environ.setdefault('A', '1')\nos.environ['B'] = '2'\n"
+                     "def f():\n    os.environ['C'] = '3'\n")
+    assert _environ_writes_at_import(tree) == [2, 3]
+    SOURCES["models._probe"] = (ROOT / "models" / "_probe.py",
+                                ast.parse("def f():\n    from parallel.dims import ParallelDims\n"))
+    SOURCES["parallel._probe"] = (ROOT / "parallel" / "_probe.py", ast.parse("from ..configs import schema\n"))
+    try:
+        assert "models._probe imports parallel.dims" in _violations(
+            lambda name, m: not _inside(name, "models") or _inside(m, "models"))
+        assert "parallel._probe imports configs" in _violations(
+            lambda name, m: not _inside(name, "parallel") or not _inside(m, "configs"))
+    finally:
+        del SOURCES["models._probe"], SOURCES["parallel._probe"]
