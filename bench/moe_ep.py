@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.latency import add_latency  # noqa: E402
 from models import ModelConfig  # noqa: E402
 from models.moe import MoE  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
@@ -45,7 +46,7 @@ def worker(rank, world, store, args, out):
     moe.init_weights(0.02)
     for p in moe.shared_experts.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    moe = apply_ep(moe, dims, latency_s=args.latency_ms / 1e3) if world > 1 else moe
+    moe = add_latency(apply_ep(moe, dims), args.latency_ms / 1e3) if world > 1 else moe
     moe.train()
     x = torch.randn(1, args.tokens, cfg.dim, generator=torch.Generator().manual_seed(rank))
     times = []

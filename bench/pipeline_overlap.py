@@ -5,7 +5,7 @@
 pp=2 (DualPipe) x ep gloo processes, 8 micro-batches of ``--rows`` sequences of ``--seq`` tokens, a
 5-layer MoE model (all layers MoE, MTP depth 1; layout 3+2 layers, so both stages hold three MoE
 blocks, the last stage's third being the MTP block). Every expert all-to-all is in flight
-for ``--latency-ms`` (injected wire time: a deadline, see ``parallel.ep.comm.Pending``), forward and
+for ``--latency-ms`` (injected wire time: a deadline, see ``bench/latency.py``), forward and
 backward (with ``--ep 2``, the trainer's default hierarchical dispatcher over two EP nodes: the
 inter-node hops). With ``--ep 1`` each rank's experts stay local but still go through an all-to-all dispatcher
 over a one-rank group, so the injected latency is there while the 2 processes do not oversubscribe a
@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.latency import add_latency  # noqa: E402
 from models import ModelConfig, build  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.ep import AllToAllDispatcher, apply_ep  # noqa: E402
@@ -65,10 +66,11 @@ def worker(rank, world, store, args, out):
     runners = {}
     for overlap in (False, True):
         for latency in [0.0] + args.latency_ms:
-            model = apply_ep(build(cfg, seed=0), dims, latency_s=latency / 1e3).train()
+            model = apply_ep(build(cfg, seed=0), dims).train()
             if args.ep == 1:
                 for moe in model.moe_layers():
-                    moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, solo, 1, latency / 1e3)
+                    moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, solo, 1)
+            add_latency(model, latency / 1e3)
             runners[(overlap, latency)] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2],
                                                                  overlap=overlap))
     # Round robin over the configurations, one step each, so that the load of a shared machine drifts
@@ -76,11 +78,10 @@ def worker(rank, world, store, args, out):
     fb, step, pieces, waits = ({k: [] for k in runners} for _ in range(4))
     for i in range(1 + args.steps):
         for key, (model, runner) in runners.items():
-            runner.executor.fb_pieces = []
             dist.barrier()
             start = time.perf_counter()
             runner.forward_backward(mbs, 1.0 / N_MB, 0.3, 1e-4)
-            fbp = runner.executor.fb_pieces
+            fbp = runner.executor.state.fb_pieces
             t = torch.tensor([sum(runner.executor.durations.get(Kind.FB, [])), time.perf_counter() - start,
                               sum(w for *_, w, _ in fbp), sum(inj or 0.0 for *_, inj in fbp)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank (the same counts on both)

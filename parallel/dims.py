@@ -1,5 +1,6 @@
 """``ParallelDims``: the one object that knows the layout. Built from the world size and the config,
-validated before any collective is issued, and passed explicitly (no module-level process groups).
+validated (``validate_layout``, also the config's and tools' layout checks) before any collective is
+issued, and passed explicitly (no module-level process groups).
 
 Rank layout (world = pp × dp, dp = edp × ep; ep lives inside the data-parallel ranks, as in DeepSeek-V3)::
 
@@ -15,7 +16,86 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.config import ConfigError, ModelConfig
+from errors import ConfigError
+from models.config import ModelConfig
+
+
+def validate_layout(world_size: int, pp: int = 1, ep: int = 1, ranks_per_node: int = 1, *,
+                    model: ModelConfig | None = None, zero: int | None = None, zero_backend: str | None = None,
+                    moment_dtype: str | None = None, schedule: str | None = None) -> None:
+    """The layout checks, in one place for config validation, ``ParallelDims``, ``tools.size`` and the
+    DeepSpeed backend: the sizes against the world size, then what is given: the model against EP, the
+    ZeRO stage (and what ``zero_backend`` and ``moment_dtype`` allow), the schedule's name and pp.
+    Raises a one-line ``ConfigError`` naming the key."""
+    if pp < 1 or ep < 1 or ranks_per_node < 1:
+        raise ConfigError(f"parallel.pp ({pp}), parallel.ep ({ep}) and parallel.ranks_per_node ({ranks_per_node}) "
+                          "must be >= 1")
+    if world_size % pp:
+        raise ConfigError(f"parallel.pp ({pp}) must divide the world size ({world_size})")
+    dp = world_size // pp
+    if dp % ep:
+        raise ConfigError(f"parallel.ep ({ep}) must divide the data-parallel size dp "
+                          f"({dp} = world {world_size} / pp {pp})")
+    if ep > 1 and ep % ranks_per_node and ranks_per_node % ep:
+        raise ConfigError(f"parallel.ep ({ep}) and parallel.ranks_per_node ({ranks_per_node}): one must divide the "
+                          f"other so that EP groups hold whole nodes or fit inside one")
+    if model is not None:
+        _check_model(model, ep, ranks_per_node)
+    if zero is not None:
+        _check_zero(zero, zero_backend, moment_dtype, world_size, pp)
+    if schedule is not None:
+        _check_schedule(schedule, pp)
+
+
+def ep_split(ep: int, ranks_per_node: int) -> tuple[int, int]:
+    """(EP ranks per node, EP nodes) of an EP group: it fits inside one node or spans whole nodes."""
+    per_node = min(ep, ranks_per_node)
+    return per_node, ep // per_node
+
+
+def _check_model(m: ModelConfig, ep: int, ranks_per_node: int) -> None:
+    if ep == 1:
+        return
+    per_node, nodes = ep_split(ep, ranks_per_node)
+    if m.n_routed_experts % ep:
+        raise ConfigError(f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({ep})")
+    if m.n_expert_groups != nodes:
+        raise ConfigError(
+            f"model.n_expert_groups ({m.n_expert_groups}) must equal the number of EP nodes ({nodes} = "
+            f"parallel.ep {ep} / parallel.ranks_per_node {per_node}): routing groups are nodes")
+    if m.n_limited_groups > nodes:
+        raise ConfigError(f"model.n_limited_groups ({m.n_limited_groups}) must be <= the number of EP nodes ({nodes})")
+
+
+def _check_schedule(schedule: str, pp: int) -> None:
+    from .pipeline.schedules import NO_PIPELINE, SCHEDULES
+    if schedule != NO_PIPELINE and schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule: {schedule!r} is not one of {', '.join((NO_PIPELINE, *SCHEDULES))}")
+    if (pp > 1) != (schedule != NO_PIPELINE):
+        raise ConfigError(f"parallel.schedule ({schedule}) with parallel.pp ({pp}): pp > 1 needs a schedule "
+                          f"({', '.join(SCHEDULES)}) and pp = 1 needs schedule={NO_PIPELINE}")
+
+
+def _check_zero(zero: int, backend: str | None, moment_dtype: str | None, world_size: int, pp: int) -> None:
+    """The ZeRO stage, and what its backend and the AdamW moment dtype allow."""
+    if zero not in (0, 1, 2):
+        raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {zero}")
+    if moment_dtype == "bf16" and zero == 0:
+        raise ConfigError("optim.moment_dtype=bf16 needs parallel.zero >= 1 (without ZeRO the optimizer is "
+                          "torch.optim.AdamW, whose moments are fp32; use auto or fp32)")
+    if backend != "deepspeed":
+        return
+    if zero == 0:
+        raise ConfigError("parallel.zero_backend=deepspeed needs parallel.zero = 1 or 2")
+    if world_size < 2:
+        raise ConfigError("parallel.zero_backend=deepspeed needs >= 2 data-parallel processes (launch with torchrun "
+                          "--nproc_per_node >= 2); in one process use parallel.zero=0 or zero_backend=native")
+    if pp > 1:
+        raise ConfigError(f"parallel.zero_backend=deepspeed with parallel.pp ({pp}): DeepSpeed's ZeRO "
+                          "optimizer does not compose with our pipeline executor; use zero_backend=native")
+    if moment_dtype == "bf16":
+        raise ConfigError("optim.moment_dtype=bf16 with parallel.zero_backend=deepspeed: DeepSpeed's ZeRO-1/2 "
+                          "keeps the wrapped AdamW's moments in fp32; use fp32 (or auto) or zero_backend=native")
 
 
 @dataclass
@@ -29,16 +109,7 @@ class ParallelDims:
     groups: dict[str, Any] = field(default_factory=dict, repr=False)   # filled by build_groups()
 
     def __post_init__(self):
-        w, pp, ep, rpn = self.world_size, self.pp, self.ep, self.ranks_per_node
-        if pp < 1 or ep < 1 or rpn < 1:
-            raise ConfigError(f"parallel.pp ({pp}), parallel.ep ({ep}) and parallel.ranks_per_node ({rpn}) must be >= 1")
-        if w % pp:
-            raise ConfigError(f"parallel.pp ({pp}) must divide the world size ({w})")
-        if self.dp % ep:
-            raise ConfigError(f"parallel.ep ({ep}) must divide the data-parallel size dp ({self.dp} = world {w} / pp {pp})")
-        if ep > 1 and ep % rpn and rpn % ep:
-            raise ConfigError(f"parallel.ep ({ep}) and parallel.ranks_per_node ({rpn}): one must divide the other "
-                              f"so that EP groups hold whole nodes or fit inside one")
+        validate_layout(self.world_size, self.pp, self.ep, self.ranks_per_node)
 
     # ---- sizes and coordinates --------------------------------------------------------------------
     @property
@@ -52,11 +123,11 @@ class ParallelDims:
 
     @property
     def ep_ranks_per_node(self) -> int:
-        return min(self.ep, self.ranks_per_node)
+        return ep_split(self.ep, self.ranks_per_node)[0]
 
     @property
     def ep_nodes(self) -> int:
-        return self.ep // self.ep_ranks_per_node
+        return ep_split(self.ep, self.ranks_per_node)[1]
 
     @property
     def pp_rank(self) -> int:
@@ -76,17 +147,7 @@ class ParallelDims:
 
     def check_model(self, m: ModelConfig) -> None:
         """Layout-dependent model checks (one-line ConfigError naming the keys)."""
-        if self.ep == 1:
-            return
-        if m.n_routed_experts % self.ep:
-            raise ConfigError(f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({self.ep})")
-        if m.n_expert_groups != self.ep_nodes:
-            raise ConfigError(
-                f"model.n_expert_groups ({m.n_expert_groups}) must equal the number of EP nodes ({self.ep_nodes} = "
-                f"parallel.ep {self.ep} / parallel.ranks_per_node {self.ep_ranks_per_node}): routing groups are nodes")
-        if m.n_limited_groups > self.ep_nodes:
-            raise ConfigError(f"model.n_limited_groups ({m.n_limited_groups}) must be <= the number of EP nodes "
-                              f"({self.ep_nodes})")
+        _check_model(m, self.ep, self.ranks_per_node)
 
     # ---- process groups -----------------------------------------------------------------------------
     def build_groups(self, device_type: str = "cpu") -> "ParallelDims":
@@ -101,11 +162,6 @@ class ParallelDims:
             "ep_inter": [list(range(b + l, b + ep, rpn)) for b in range(0, w, ep) for l in range(rpn)],
             "ep_intra": [list(range(b + n * rpn, b + (n + 1) * rpn)) for b in range(0, w, ep) for n in range(ep // rpn)],
         }
-        # Twins of the EP groups for the autograd backward all-to-alls (``bwd_group``): needed only if a
-        # forward and a backward ever run in two threads. The overlapped F&B (parallel/pipeline/overlap.py)
-        # interleaves them in one thread, in the same order on every rank, over the main groups.
-        for name in ("ep", "ep_inter", "ep_intra"):
-            layouts[name + "_b"] = layouts[name]
         for name, rank_lists in layouts.items():
             for ranks in rank_lists:
                 g = self.new_group(ranks, name)

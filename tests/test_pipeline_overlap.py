@@ -1,46 +1,47 @@
 """DualPipe's overlapped F&B (``parallel.overlap``, ``parallel/pipeline/overlap.py``): the piecewise,
 interleaved execution gives the same losses and gradients as the plain one (fp32), with EP=1 (local
-dispatcher, and an all-to-all dispatcher over a one-rank group with injected latency), with EP=2 inside
-pp=2 (hierarchical and flat dispatchers) and with FP8 dispatch; the interleaving order and the
-injected-latency deadline behave as documented."""
+dispatcher, and an all-to-all dispatcher over a one-rank group with injected latency, ``bench.latency``),
+with EP=2 inside pp=2 (hierarchical and flat dispatchers) and with FP8 dispatch; the interleaving order and
+the injected-latency deadline behave as documented."""
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bench.latency import Deadline, add_latency
 from models import ModelConfig, build
 from parallel.dims import ParallelDims
 from parallel.ep import AllToAllDispatcher, apply_ep
-from parallel.ep.comm import Pending
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.overlap import _route_of, run, run_pair
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.schedules.actions import Kind
-from parallel.pipeline.stages import build_stages, n_stages_of, prune_model
+from parallel.pipeline.stages import build_stages, prune_model
 
 from .dist_utils import rel_err, spawn
 from .test_pipeline_parity import CFG, cos_dist
 
 
 def _run(cfg, dims, schedule, n_mb, mbs, overlap, dispatcher, latency_s):
-    model = apply_ep(build(cfg, seed=0).train(), dims, "alltoall" if dispatcher == "alltoall" else "hierarchical",
-                     latency_s=latency_s)
+    model = apply_ep(build(cfg, seed=0).train(), dims, "alltoall" if dispatcher == "alltoall" else "hierarchical")
     if dispatcher in ("solo", "solo-fp8"):   # EP=1 through an all-to-all dispatcher over a one-rank group
         for moe in model.moe_layers():
-            moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, dims.group("solo"), 1, latency_s,
+            moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, dims.group("solo"), 1,
                                                 fp8=dispatcher == "solo-fp8")
+    add_latency(model, latency_s)
     for moe in model.moe_layers():   # every MoE layer is cut at its all-to-alls (none runs as one piece)
         assert _route_of(moe) is not None, type(moe.dispatcher)
-    stages = build_stages(model, schedule, dims.pp, dims.pp_rank)
+    sched = get_schedule(schedule, dims.pp, n_mb)
+    stages = build_stages(model, sched, dims.pp_rank)
     prune_model(model, stages)
-    actions = get_schedule(schedule, dims.pp, n_mb)[dims.pp_rank]
+    actions = sched[dims.pp_rank]
     assert any(a.kind is Kind.FB for a in actions)
-    ex = PipelineExecutor(stages, actions, PipeChannels(dims), n_stages_of(schedule, dims.pp), cfg.dim,
+    ex = PipelineExecutor(stages, actions, PipeChannels(dims), sched.n_stages, cfg.dim,
                           overlap=overlap)
     sums = ex.step(mbs, 1.0 / n_mb, 0.3, 0.01)
-    assert bool(ex.fb_pieces) == overlap   # the F&Bs ran interleaved exactly when overlap is on
+    assert bool(ex.state.fb_pieces) == overlap   # the F&Bs ran interleaved exactly when overlap is on
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     loads = {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert")}
     return sums, grads, loads, set(n for n, _ in model.named_parameters())
@@ -111,13 +112,12 @@ def test_run_pair_interleaves_launch_compute_wait():
 
 
 def test_injected_latency_is_a_deadline():
-    """``Pending.wait`` sleeps only what is left of the latency: work done meanwhile hides it."""
-    p = Pending()
-    p.add(latency_s=0.2)
+    """``Deadline.wait`` sleeps only what is left of the latency: work done meanwhile hides it."""
+    p = Deadline(_Handle([], "t"), 0.2)
     t0 = time.perf_counter()
     p.wait()
     assert time.perf_counter() - t0 >= 0.19          # waited at once: the whole latency
-    p.add(latency_s=0.2)
+    p = Deadline(_Handle([], "t"), 0.2)
     time.sleep(0.2)                                  # "compute" for as long as the transfer takes
     t0 = time.perf_counter()
     p.wait()

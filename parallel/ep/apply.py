@@ -9,17 +9,16 @@ here even when ``ep == 1`` (no dispatch then), so a config fails on one device a
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from kernels.reference import TILE
 from models.moe import GroupedExperts, MoE
 
 from ..dims import ParallelDims
-from .comm import TILE
 from .dispatch import AllToAllDispatcher, HierarchicalDispatcher
 
 
-def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical", latency_s: float = 0.0,
+def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical",
              fp8_dispatch: bool = False) -> nn.Module:
     if fp8_dispatch:
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
@@ -40,11 +39,10 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
         experts.expert_offset = start   # global index of local expert 0
         if dispatcher == "hierarchical" and dims.ep_nodes > 1:
             moe.dispatcher = HierarchicalDispatcher(moe.n_experts, dims.group("ep"), dims.group("ep_inter"),
-                                                    dims.group("ep_intra"), latency_s,
-                                                    (dims.group("ep_inter_b"), dims.group("ep_intra_b")), fp8_dispatch)
+                                                    dims.group("ep_intra"), fp8=fp8_dispatch)
         elif dispatcher in ("hierarchical", "alltoall"):
-            moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node, latency_s,
-                                                dims.group("ep_b"), fp8_dispatch)
+            moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node,
+                                                fp8=fp8_dispatch)
         else:
             raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
         # used in error messages, e.g. "layers.3.ffn (EP group [0, 1, 2, 3])"
@@ -56,9 +54,3 @@ def is_expert_param(model: nn.Module) -> dict[str, bool]:
     """name -> True for routed-expert parameters (sharded over EP, reduced over expert-dp)."""
     expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     return {n: id(p) in expert_ids for n, p in model.named_parameters()}
-
-
-def shard_experts_like(full: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The local slice of a full ``[E, ...]`` expert tensor (for tests and checkpoint tooling)."""
-    n_local = full.shape[0] // dims.ep
-    return full[dims.ep_rank * n_local:(dims.ep_rank + 1) * n_local]

@@ -11,16 +11,15 @@ the forward had sent the rows exactly.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import named
+from kernels.reference import TILE
 
-TILE = 128   # kernels.reference.TILE; ``kernels`` is imported on first use (it configures Triton on import)
+from ..errors import named
 
 
 @contextlib.contextmanager
@@ -34,33 +33,20 @@ def named_errors(name: str, rank: int):
 
 class Pending:
     """Launched collectives; ``wait()`` blocks until all are done, then runs the ``then`` callbacks
-    (e.g. dequantising an FP8 payload into the output tensor) — after it the output tensor is valid.
-
-    Injected latency (``latency_s``, for overlap measurements on CPU) is a deadline: a transfer added at
-    time t is in flight until t + latency, and ``wait()`` sleeps only what is left of it. Whatever the
-    caller computes between launch and ``wait()`` hides that much of it; a launch followed at once by
-    ``wait()`` (the synchronous path) pays it all."""
+    (e.g. dequantising an FP8 payload into the output tensor) — after it the output tensor is valid."""
 
     def __init__(self, work=None):
         self.works, self.then = ([work] if work is not None else []), []
-        self.deadline = 0.0
-        self.latency_s = 0.0   # the largest latency injected into this set (reported by benchmarks)
 
-    def add(self, *works, then: Callable[[], None] | None = None, latency_s: float = 0.0) -> None:
+    def add(self, *works, then: Callable[[], None] | None = None) -> None:
         self.works.extend(w for w in works if w is not None)
         if then is not None:
             self.then.append(then)
-        if latency_s:
-            self.deadline = max(self.deadline, time.perf_counter() + latency_s)
-            self.latency_s = max(self.latency_s, latency_s)
 
     def wait(self) -> None:
         works, self.works = self.works, []
         for w in works:
             w.wait()
-        left, self.deadline = self.deadline - time.perf_counter(), 0.0
-        if left > 0:
-            time.sleep(left)
         then, self.then = self.then, []
         for fn in then:
             fn()
@@ -68,16 +54,13 @@ class Pending:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, latency_s, pending, name, bwd_group):
-        ctx.out_splits, ctx.in_splits, ctx.latency_s, ctx.name = out_splits, in_splits, latency_s, name
-        ctx.group = bwd_group if bwd_group is not None else group
+    def forward(ctx, x, out_splits, in_splits, group, pending, name):
+        ctx.out_splits, ctx.in_splits, ctx.group, ctx.name = out_splits, in_splits, group, name
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
                                       async_op=pending is not None)
         if pending is not None:
-            pending.add(work, latency_s=latency_s)   # injected link latency: a deadline (``Pending``)
-        elif latency_s:
-            time.sleep(latency_s)
+            pending.add(work)
         return out
 
     @staticmethod
@@ -85,23 +68,18 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
         with named_errors(f"{ctx.name} (backward)", dist.get_rank()):
             dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        if ctx.latency_s:
-            time.sleep(ctx.latency_s)
-        return out, None, None, None, None, None, None, None
+        return out, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, latency_s: float = 0.0,
-               pending: Pending | None = None, name: str = "moe", bwd_group=None) -> torch.Tensor:
-    """Differentiable ``all_to_all_single``. With ``pending``, returns at once; wait on it before use.
-
-    ``bwd_group``: a twin of ``group`` used by the backward pass, so that a backward running in another
-    thread could never interleave its collectives with the forward's."""
-    return _AllToAll.apply(x, out_splits, in_splits, group, latency_s, pending, name, bwd_group)
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, pending: Pending | None = None,
+               name: str = "moe") -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` (the backward sends the gradient back over ``group``). With
+    ``pending``, returns at once; wait on it before use."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, pending, name)
 
 
 def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, pending: Pending,
-                     latency_s: float = 0.0, fp8: bool = False, on_send: Callable[[torch.Tensor], None] | None = None
-                     ) -> torch.Tensor:
+                     fp8: bool = False, on_send: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Launch an uneven all-to-all of ``x`` outside autograd (``x`` is read detached); the returned tensor
     is valid after ``pending.wait()``. ``fp8``: the rows travel as E4M3 bytes + power-of-2 scales and are
     dequantised to ``x.dtype`` in ``wait()`` (as ``all_to_all_fp8``). Used by the piecewise pipeline
@@ -120,14 +98,13 @@ def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int
 
         def land():
             out.copy_(dequant_rows(q_out, s_out, out.dtype))
-        pending.add(w_q, w_s, then=land, latency_s=latency_s)
+        pending.add(w_q, w_s, then=land)
         return out
     x = x.contiguous()
     if on_send is not None:
         on_send(x)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    pending.add(dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True),
-                latency_s=latency_s)
+    pending.add(dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True))
     return out
 
 
@@ -164,8 +141,6 @@ class Hop:
     out_splits: list[int]
     in_splits: list[int]
     group: Any
-    bwd_group: Any = None        # twin group for the backward (see ``all_to_all``)
-    latency_s: float = 0.0       # injected latency after this hop, forward and backward
     rows: torch.Tensor | None = None
 
 
@@ -186,8 +161,6 @@ class _FP8Route(torch.autograd.Function):
             async_op = pending is not None and i == len(hops) - 1
             w_q = dist.all_to_all_single(q_out, q, hop.out_splits, hop.in_splits, group=hop.group, async_op=async_op)
             w_s = dist.all_to_all_single(s_out, s, hop.out_splits, hop.in_splits, group=hop.group, async_op=async_op)
-            if hop.latency_s and not async_op:
-                time.sleep(hop.latency_s)
             q, s = q_out, s_out
         if pending is None:
             return dequant_rows(q, s, x.dtype)
@@ -195,7 +168,7 @@ class _FP8Route(torch.autograd.Function):
 
         def land(out=out.detach(), q=q, s=s):   # runs in ``pending.wait()``, once both payloads are here
             out.copy_(dequant_rows(q, s, out.dtype))
-        pending.add(w_q, w_s, then=land, latency_s=hops[-1].latency_s)
+        pending.add(w_q, w_s, then=land)
         return out
 
     @staticmethod
@@ -207,10 +180,7 @@ class _FP8Route(torch.autograd.Function):
         with named_errors(f"{ctx.name} (backward)", dist.get_rank()):
             for hop, n_src in zip(reversed(hops), reversed(sizes)):
                 back = grad.new_empty((sum(hop.in_splits), *grad.shape[1:]))
-                dist.all_to_all_single(back, grad.contiguous(), hop.in_splits, hop.out_splits,
-                                       group=hop.bwd_group if hop.bwd_group is not None else hop.group)
-                if hop.latency_s:
-                    time.sleep(hop.latency_s)
+                dist.all_to_all_single(back, grad.contiguous(), hop.in_splits, hop.out_splits, group=hop.group)
                 grad = back if hop.rows is None else \
                     back.new_zeros((n_src, *back.shape[1:])).index_put_((hop.rows,), back, accumulate=True)
         return grad, None, None, None, None, None
@@ -226,15 +196,13 @@ def fp8_route(x: torch.Tensor, hops: list[Hop], pending: Pending | None = None, 
     return _FP8Route.apply(x, list(hops), pending, name, backend, on_send)
 
 
-def all_to_all_fp8(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, latency_s: float = 0.0,
-                   pending: Pending | None = None, name: str = "moe", bwd_group=None,
-                   rows: torch.Tensor | None = None, backend: str = "auto",
-                   on_send: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+def all_to_all_fp8(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                   pending: Pending | None = None, name: str = "moe", rows: torch.Tensor | None = None,
+                   backend: str = "auto", on_send: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """``all_to_all`` of ``x[rows]`` (all of ``x`` when None) with the rows travelling as FP8: two uneven
     all-to-alls with the same splits, E4M3 bytes (as uint8) and the 1x128 power-of-2 scales (fp32).
     Quantising before the row gather quantises each source row once. Straight-through backward."""
-    return fp8_route(x, [Hop(out_splits, in_splits, group, bwd_group, latency_s, rows)], pending, name, backend,
-                     on_send)
+    return fp8_route(x, [Hop(out_splits, in_splits, group, rows)], pending, name, backend, on_send)
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:

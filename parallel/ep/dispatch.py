@@ -4,9 +4,9 @@
     combine(y_RD, handle) -> y_TD
 
 ``x_RD`` holds the token copies this rank's experts must process, sorted by local expert. Both calls
-are autograd-correct (gradients flow to x and to the gate weights). ``dispatch_async`` /
-``combine_async`` launch the last all-to-all and return a handle whose ``wait()`` gives the result, so
-a pipeline schedule can compute while the tokens travel.
+are autograd-correct (gradients flow to x and to the gate weights). The piecewise pipeline execution
+(``parallel.pipeline.overlap``) uses the dispatchers' ``plan`` / ``start`` split instead, so that it can
+compute while the tokens travel.
 
 * ``AllToAllDispatcher``: one flat uneven all-to-all over the EP group (one copy per (token, expert)).
 * ``HierarchicalDispatcher`` (node-limited): a token crosses to each target node **once** — to the
@@ -26,7 +26,7 @@ Shape legend: T tokens, K experts per token, D hidden, E experts (global), R rec
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,6 @@ class DispatchStats:
     combine_s: float = 0.0
     dispatch_bytes: int = 0        # bytes of token rows (+ FP8 scales) this rank handed to the dispatch all-to-alls
     combine_bytes: int = 0         # the same for the combine all-to-alls (rows kept on this rank included)
-    extra: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.calls = self.cross_node_copies = self.max_nodes_per_token = 0
@@ -71,11 +70,6 @@ class _Handle:
         self._finish, self._pending, self._name, self._rank = finish, pending, name, rank
         self._on_wait = on_wait   # called with the seconds ``wait()`` blocked
 
-    @property
-    def injected_s(self) -> float:
-        """The latency injected into this handle's transfers (0 without ``latency_s``)."""
-        return self._pending.latency_s
-
     def wait(self):
         t0 = time.perf_counter()
         with named_errors(self._name, self._rank):
@@ -91,18 +85,14 @@ class _DispatcherBase:
     name = "moe"
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
-        return self.dispatch_async(x_TD, topk_idx_TK, topk_weight_TK).wait()
+        with named_errors(self.name, dist.get_rank()):
+            handle = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+        return handle.wait()
 
     def combine(self, y_RD, handle):
-        return self.combine_async(y_RD, handle).wait()
-
-    def dispatch_async(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
         with named_errors(self.name, dist.get_rank()):
-            return self._dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-
-    def combine_async(self, y_RD, handle) -> _Handle:
-        with named_errors(self.name, dist.get_rank()):
-            return self._combine(y_RD, handle)
+            handle = self._combine(y_RD, handle)
+        return handle.wait()
 
     def _handle(self, finish, pending) -> _Handle:
         return _Handle(finish, pending, self.name, dist.get_rank())
@@ -161,14 +151,12 @@ def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor, n_rows: int
 
 
 class AllToAllDispatcher(_DispatcherBase):
-    def __init__(self, n_experts: int, group, ranks_per_node: int = 1, latency_s: float = 0.0, bwd_group=None,
-                 fp8: bool = False):
-        self.group, self.bwd_group, self.fp8 = group, bwd_group, fp8
+    def __init__(self, n_experts: int, group, ranks_per_node: int = 1, fp8: bool = False):
+        self.group, self.fp8 = group, fp8
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         self.n_experts, self.n_local = n_experts, n_experts // self.ep
         self.rpn = min(ranks_per_node, self.ep)
-        self.latency_s = latency_s
         self.stats = DispatchStats()
 
     # ---- routing plan, shared by the autograd path and the piecewise (overlapped) pipeline path ----
@@ -199,8 +187,7 @@ class AllToAllDispatcher(_DispatcherBase):
         ``dispatch``: token copies (sorted by global expert) -> the expert ranks (received grouped by
         source; FP8 when ``fp8``); ``combine``: expert outputs (in that received order) -> back to the
         source ranks (sorted by global expert); ``dispatch_grad`` / ``combine_grad``: the gradients of
-        those, travelling the reverse way (never quantised: the FP8 backward is straight-through).
-        The injected latency is a deadline (``Pending``)."""
+        those, travelling the reverse way (never quantised: the FP8 backward is straight-through)."""
         splits = {"dispatch": (plan.out_splits, plan.in_splits), "combine": (plan.in_splits, plan.out_splits),
                   "dispatch_grad": (plan.in_splits, plan.out_splits),
                   "combine_grad": (plan.out_splits, plan.in_splits)}[direction]
@@ -208,7 +195,7 @@ class AllToAllDispatcher(_DispatcherBase):
         count = {"dispatch": self.stats.count_dispatch, "combine": self.stats.count_combine}.get(direction)
         pending = Pending()
         with named_errors(f"{self.name} ({direction})", dist.get_rank()):
-            out = start_all_to_all(rows, *splits, self.group, pending, self.latency_s, fp8, count)
+            out = start_all_to_all(rows, *splits, self.group, pending, fp8, count)
         kind = "combine_s" if direction.startswith("combine") else "dispatch_s"
 
         def waited(seconds):   # only the blocking part counts: the rest was hidden behind other work
@@ -222,13 +209,12 @@ class AllToAllDispatcher(_DispatcherBase):
         order, K, in_splits, out_splits = plan.order, plan.K, plan.in_splits, plan.out_splits
         pending = Pending()
         if self.fp8:   # quantise the T source rows once, then send their K copies as bytes + scales
-            x_recv = all_to_all_fp8(x_TD, out_splits, in_splits, self.group, self.latency_s, pending, self.name,
-                                    self.bwd_group, rows=order // K, on_send=self.stats.count_dispatch)
+            x_recv = all_to_all_fp8(x_TD, out_splits, in_splits, self.group, pending, self.name, rows=order // K,
+                                    on_send=self.stats.count_dispatch)
         else:
             x_send = x_TD[order // K]
             self.stats.count_dispatch(x_send)
-            x_recv = all_to_all(x_send, out_splits, in_splits, self.group, self.latency_s, pending, self.name,
-                                self.bwd_group)
+            x_recv = all_to_all(x_send, out_splits, in_splits, self.group, pending, self.name)
 
         def finish():
             handle = (order, topk_weight_TK, in_splits, out_splits, plan.perm)
@@ -242,8 +228,7 @@ class AllToAllDispatcher(_DispatcherBase):
         pending = Pending()
         y_send = y_RD[torch.argsort(perm)]
         self.stats.count_combine(y_send)
-        y_sorted = all_to_all(y_send, in_splits, out_splits, self.group, self.latency_s, pending, self.name,
-                              self.bwd_group)
+        y_sorted = all_to_all(y_send, in_splits, out_splits, self.group, pending, self.name)
 
         def finish():
             out = unsort_and_weight(y_sorted, order, w_TK)
@@ -264,19 +249,16 @@ class AllToAllDispatcher(_DispatcherBase):
 class HierarchicalDispatcher(_DispatcherBase):
     """Node-limited two-stage dispatch: inter-node (same local index) then intra-node."""
 
-    def __init__(self, n_experts: int, ep_group, inter_group, intra_group, latency_s: float = 0.0,
-                 bwd_groups: tuple | None = None, fp8: bool = False):
+    def __init__(self, n_experts: int, ep_group, inter_group, intra_group, fp8: bool = False):
         self.fp8 = fp8
         self.ep = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
         self.inter, self.intra = inter_group, intra_group
-        self.inter_b, self.intra_b = bwd_groups if bwd_groups else (None, None)
         self.n_nodes, self.rpn = dist.get_world_size(inter_group), dist.get_world_size(intra_group)
         assert self.n_nodes * self.rpn == self.ep, (self.n_nodes, self.rpn, self.ep)
         self.node = self.ep_rank // self.rpn
         self.n_experts, self.n_local = n_experts, n_experts // self.ep
         self.per_node = self.n_local * self.rpn
-        self.latency_s = latency_s
         self.stats = DispatchStats()
 
     # ---- the route's steps, shared by the autograd path and the piecewise (overlapped) pipeline path ----
@@ -327,19 +309,18 @@ class HierarchicalDispatcher(_DispatcherBase):
         y_NTD = y1.new_zeros(self.n_nodes * T, D).index_put((nplan.pair_node * T + nplan.pair_tok,), y1)
         return y_NTD.view(self.n_nodes, T, D).sum(0)
 
-    def start(self, rows: list, out_splits: list[int], in_splits: list[int], hop: str, latency: bool,
-              count=None, stat: str = "dispatch_s") -> _Handle:
+    def start(self, rows: list, out_splits: list[int], in_splits: list[int], hop: str, count=None,
+              stat: str = "dispatch_s") -> _Handle:
         """Launch the all-to-alls of ``rows`` (same splits) over the ``inter`` or ``intra`` group outside
-        autograd; ``wait()`` gives the received tensors, in order. ``latency``: the injected latency
-        applies (the inter-node hops, as in the autograd path). ``count``: byte counter for ``rows[0]``
+        autograd; ``wait()`` gives the received tensors, in order. ``count``: byte counter for ``rows[0]``
         (the token rows; gate weights and ids are not counted, as in the autograd path)."""
         group = self.inter if hop == "inter" else self.intra
         pending = Pending()
         outs = []
         with named_errors(self.name, dist.get_rank()):
             for i, t in enumerate(rows):
-                outs.append(start_all_to_all(t, out_splits, in_splits, group, pending,
-                                             self.latency_s if latency else 0.0, False, count if i == 0 else None))
+                outs.append(start_all_to_all(t, out_splits, in_splits, group, pending, False,
+                                             count if i == 0 else None))
 
         def waited(seconds):
             setattr(self.stats, stat, getattr(self.stats, stat) + seconds)
@@ -354,20 +335,19 @@ class HierarchicalDispatcher(_DispatcherBase):
         if not self.fp8:
             x_send = x_TD[pair_tok]
             self.stats.count_dispatch(x_send)
-            x1 = all_to_all(x_send, out1, in1, self.inter, self.latency_s, None, self.name, self.inter_b)
-        w1 = all_to_all(w_PK, out1, in1, self.inter, 0.0, None, self.name, self.inter_b)
+            x1 = all_to_all(x_send, out1, in1, self.inter, None, self.name)
+        w1 = all_to_all(w_PK, out1, in1, self.inter, None, self.name)
         ids1 = exchange_rows(np_.ids_PK, out1, in1, self.inter)
         fp = self.plan_forward(ids1)
         in2, out2 = fp.in2, fp.out2
         pending = Pending()
         if self.fp8:   # both hops in one route: quantised here, bytes forwarded as they are, dequantised at the expert
-            hops = [Hop(out1, in1, self.inter, self.inter_b, self.latency_s, rows=pair_tok),
-                    Hop(out2, in2, self.intra, self.intra_b, 0.0, rows=fp.copy_row[fp.order2])]
+            hops = [Hop(out1, in1, self.inter, rows=pair_tok), Hop(out2, in2, self.intra, rows=fp.copy_row[fp.order2])]
             x2 = fp8_route(x_TD, hops, pending, self.name, on_send=self.stats.count_dispatch)
         else:
             x_send = x1[fp.copy_row[fp.order2]]
             self.stats.count_dispatch(x_send)
-            x2 = all_to_all(x_send, out2, in2, self.intra, 0.0, pending, self.name, self.intra_b)
+            x2 = all_to_all(x_send, out2, in2, self.intra, pending, self.name)
 
         def finish():
             self.stats.dispatch_s += time.perf_counter() - t0
@@ -379,11 +359,11 @@ class HierarchicalDispatcher(_DispatcherBase):
         np_, w1, fp = handle
         y_send = y_RD[torch.argsort(fp.perm)]
         self.stats.count_combine(y_send)
-        y2 = all_to_all(y_send, fp.in2, fp.out2, self.intra, 0.0, None, self.name, self.intra_b)
+        y2 = all_to_all(y_send, fp.in2, fp.out2, self.intra, None, self.name)
         partial = self.forwarder_sum(y2, w1, fp)
         pending = Pending()
         self.stats.count_combine(partial)
-        y1 = all_to_all(partial, np_.in1, np_.out1, self.inter, self.latency_s, pending, self.name, self.inter_b)
+        y1 = all_to_all(partial, np_.in1, np_.out1, self.inter, pending, self.name)
 
         def finish():
             out = self.node_sum(y1, np_)

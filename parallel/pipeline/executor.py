@@ -1,10 +1,11 @@
 """Runs one pipeline rank's action list (``parallel.pipeline.schedules``) over torch.distributed p2p.
 
-The executor owns the per-step state: stage inputs/outputs per (micro-batch, stage), received
-tensors, pending sends. Sends are asynchronous (``isend``), waited for at the end of the step, so a
-rank never blocks on its own send; a RECV waits until its tensor has arrived (on CUDA the stream
-waits, not the host). Transfers go over one channel per direction between neighbours and pair in issue
-order, as NCCL pairs them (``p2p.py``): no tags; the schedule's SEND/RECV order is FIFO-consistent.
+The per-step state (``_StepState``, made anew by every ``step``): stage inputs/outputs per
+(micro-batch, stage), received tensors, pending sends. Sends are asynchronous (``isend``), waited for
+at the end of the step, so a rank never blocks on its own send; a RECV waits until its tensor has
+arrived (on CUDA the stream waits, not the host). Transfers go over one channel per direction between
+neighbours and pair in issue order, as NCCL pairs them (``p2p.py``): no tags; the schedule's SEND/RECV
+order is FIFO-consistent.
 
 Backward kinds: BW runs the full backward of a stage; B computes only the stage-input gradient and
 keeps the graph; W later computes the parameter gradients (zero-bubble split — correct, though W
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,26 @@ from ..errors import named
 from .p2p import PipeChannels
 from .schedules.actions import Action, Kind, Payload
 from .stages import Stage
+
+
+@dataclass
+class _StepState:
+    """What one ``PipelineExecutor.step`` keeps between its actions; keys are ``(micro-batch, stage)``
+    (received tensors: ``(payload, micro-batch, stage)``)."""
+    mb: list[tuple[torch.Tensor, torch.Tensor]]   # the step's micro-batches (ids, labels)
+    scale: float                                  # the loss scale
+    mtp_weight: float
+    aux_alpha: float
+    sums: dict[str, torch.Tensor]   # on the device: the host does not wait for each micro-batch's losses
+    inputs: dict = field(default_factory=dict)     # stage input leaves
+    outputs: dict = field(default_factory=dict)    # stage outputs, until their backward
+    aux: dict = field(default_factory=dict)        # stage balance losses, until their backward
+    recv: dict = field(default_factory=dict)       # received activations and gradients
+    in_grads: dict = field(default_factory=dict)   # stage input gradients, until sent or used on this rank
+    tapes: dict = field(default_factory=dict)      # piecewise forwards (overlap)
+    pending_w: dict = field(default_factory=dict)  # B -> W hand-over
+    fb_pieces: list[tuple] = field(default_factory=list)   # overlapped F&Bs: (half, compute s, wait s, injected s)
+    sends: list = field(default_factory=list)      # (work, tensor) of the step's isends
 
 
 class PipelineExecutor:
@@ -46,20 +68,15 @@ class PipelineExecutor:
         self.device = torch.device(device)
         # Piecewise execution only pays off around F&B actions (DualPipe, DualPipeV); 1F1B / ZB1P run plain.
         self.overlap = overlap and any(a.kind is Kind.FB for a in actions)
+        self.state: _StepState | None = None   # the running step's (after it: the last step's)
 
     # ---- one optimizer step's worth of micro-batches ----------------------------------------------
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
              mtp_weight: float = 0.0, aux_alpha: float = 0.0) -> dict[str, torch.Tensor]:
         """Run the action list. Returns sums over the micro-batches finished on this rank:
         ``{"lm": , "mtp": , "aux": , "n": }`` (detached scalars)."""
-        self.mb = micro_batches
-        self.scale, self.mtp_weight, self.aux_alpha = loss_scale, mtp_weight, aux_alpha
-        self.inputs, self.outputs, self.aux, self.recv, self.in_grads = {}, {}, {}, {}, {}
-        self.tapes, self._pending_w = {}, {}   # piecewise forwards (overlap); B -> W hand-over
-        self.fb_pieces: list[tuple] = []   # overlapped F&Bs: (half, compute s, wait s, injected s) per piece
-        self.sends = []
-        # on the device: summing detached losses there keeps the host from waiting for each micro-batch
-        self.sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in ("lm", "mtp", "aux", "n")}
+        sums = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in ("lm", "mtp", "aux", "n")}
+        self.state = _StepState(micro_batches, loss_scale, mtp_weight, aux_alpha, sums)
         clock = _Clock(self.device)
         for i, a in enumerate(self.actions):
             t0 = clock.now()
@@ -70,72 +87,72 @@ class PipelineExecutor:
         # compute action times and the span from the first compute start to the last compute end, this step
         self.durations, self.span_s = clock.read()
         with named(f"pipeline rank {self.p2p.pp_rank}, the step's sends"):
-            for work, _ in self.sends:
+            for work, _ in self.state.sends:
                 work.wait()
-        self.sends.clear()
-        leftovers = set(self.outputs) | set(self.inputs)
+        self.state.sends.clear()
+        leftovers = set(self.state.outputs) | set(self.state.inputs)
         assert not leftovers, f"pipeline step ended with un-backpropagated (micro-batch, stage): {sorted(leftovers)}"
-        return self.sums
+        return self.state.sums
 
     # ---- compute ---------------------------------------------------------------------------------
     def _stage_input(self, a: Action) -> torch.Tensor | None:
         if self.stages[a.chunk].is_first:
             return None
-        src = self.recv.pop((Payload.ACT, a.mb, a.stage - 1), None)
+        src = self.state.recv.pop((Payload.ACT, a.mb, a.stage - 1), None)
         if src is None:                                 # previous stage on this rank (DualPipeV's turn)
-            src = self.outputs[(a.mb, a.stage - 1)]
+            src = self.state.outputs[(a.mb, a.stage - 1)]
         x = src.detach().requires_grad_()
-        self.inputs[(a.mb, a.stage)] = x
+        self.state.inputs[(a.mb, a.stage)] = x
         return x
 
     def _record(self, a: Action, out: torch.Tensor, aux: torch.Tensor | None, parts) -> None:
-        self.outputs[(a.mb, a.stage)] = out
-        self.aux[(a.mb, a.stage)] = aux
+        self.state.outputs[(a.mb, a.stage)] = out
+        self.state.aux[(a.mb, a.stage)] = aux
         if aux is not None:
-            self.sums["aux"] += aux.detach().double()
+            self.state.sums["aux"] += aux.detach().double()
         if parts is not None:
-            self.sums["lm"] += parts[0].detach().double()
-            self.sums["mtp"] += parts[1].detach().double()
-            self.sums["n"] += 1
+            self.state.sums["lm"] += parts[0].detach().double()
+            self.state.sums["mtp"] += parts[1].detach().double()
+            self.state.sums["n"] += 1
 
     def _f(self, a: Action) -> None:
         if self.overlap:
             run(self._f_steps(a))
             return
         st = self.stages[a.chunk]
-        ids, labels = (t.to(self.device) for t in self.mb[a.mb])
+        ids, labels = (t.to(self.device) for t in self.state.mb[a.mb])
         x = self._stage_input(a)
-        out, parts = st(x, ids, labels, self.mtp_weight)
-        self._record(a, out, st.aux_loss(self.aux_alpha), parts)
+        out, parts = st(x, ids, labels, self.state.mtp_weight)
+        self._record(a, out, st.aux_loss(self.state.aux_alpha), parts)
 
     def _f_steps(self, a: Action):
         """Piecewise forward (``overlap``): the balance losses are seeded piece by piece in the backward,
-        so ``self.aux`` only keeps their detached sum, for the logs."""
-        st = self.stages[a.chunk]
-        ids, labels = (t.to(self.device) for t in self.mb[a.mb])
+        so ``state.aux`` only keeps their detached sum, for the logs."""
+        st, s = self.stages[a.chunk], self.state
+        ids, labels = (t.to(self.device) for t in s.mb[a.mb])
         x = self._stage_input(a)
-        tape, parts = yield from forward_steps(st, x, ids, labels, self.mtp_weight, self.aux_alpha * self.scale)
-        self.tapes[(a.mb, a.stage)] = tape
+        tape, parts = yield from forward_steps(st, x, ids, labels, s.mtp_weight, s.aux_alpha * s.scale)
+        s.tapes[(a.mb, a.stage)] = tape
         with torch.no_grad():
-            aux = st.aux_loss(self.aux_alpha)
+            aux = st.aux_loss(s.aux_alpha)
         self._record(a, tape.out, aux, parts)
 
     def _out_grad(self, a: Action) -> torch.Tensor:
         """Gradient of the stage output: the loss scale on the last stage, else the next stage's."""
         if self.stages[a.chunk].is_last:
-            return torch.full((), self.scale, dtype=self.outputs[(a.mb, a.stage)].dtype, device=self.device)
-        g = self.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
-        return g if g is not None else self.in_grads.pop((a.mb, a.stage + 1))
+            return torch.full((), self.state.scale, dtype=self.state.outputs[(a.mb, a.stage)].dtype, device=self.device)
+        g = self.state.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
+        return g if g is not None else self.state.in_grads.pop((a.mb, a.stage + 1))
 
     def _targets(self, a: Action) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        out = self.outputs[(a.mb, a.stage)]
-        aux = self.aux[(a.mb, a.stage)]
+        out = self.state.outputs[(a.mb, a.stage)]
+        aux = self.state.aux[(a.mb, a.stage)]
         if self.stages[a.chunk].is_last:
-            loss = out * self.scale + (aux * self.scale if aux is not None else 0)
+            loss = out * self.state.scale + (aux * self.state.scale if aux is not None else 0)
             return [loss], [None]
         tensors, grads = [out], [self._out_grad(a)]
         if aux is not None:
-            tensors.append(aux * self.scale)
+            tensors.append(aux * self.state.scale)
             grads.append(None)
         return tensors, grads
 
@@ -148,52 +165,52 @@ class PipelineExecutor:
         self._finish_backward(a)
 
     def _bw_steps(self, a: Action):
-        tape = self.tapes.pop((a.mb, a.stage))
+        tape = self.state.tapes.pop((a.mb, a.stage))
         yield from backward_steps(tape, self._out_grad(a))
         self._finish_backward(a)
 
     def _b(self, a: Action) -> None:
         key = (a.mb, a.stage)
-        x = self.inputs.get(key)
+        x = self.state.inputs.get(key)
         if self.overlap:
             g = self._out_grad(a)
             if x is None:   # the first stage has no input gradient: its whole backward runs at W
-                self._pending_w[key] = g
+                self.state.pending_w[key] = g
             else:
-                run(backward_steps(self.tapes[key], g, mode="input"))
-                self.in_grads[key] = x.grad
+                run(backward_steps(self.state.tapes[key], g, mode="input"))
+                self.state.in_grads[key] = x.grad
             return
         tensors, grads = self._targets(a)
-        self._pending_w[key] = (tensors, grads)
+        self.state.pending_w[key] = (tensors, grads)
         if x is not None:   # the first stage has no input gradient: all its work happens at W
             torch.autograd.backward(tensors, grads, inputs=[x], retain_graph=True)
-            self.in_grads[key] = x.grad
+            self.state.in_grads[key] = x.grad
         # outputs/aux stay until W
 
     def _w(self, a: Action) -> None:
         key = (a.mb, a.stage)
         params = self._params(self.stages[a.chunk])
         if self.overlap:
-            tape = self.tapes.pop(key)
-            g = self._pending_w.pop(key, None)
+            tape = self.state.tapes.pop(key)
+            g = self.state.pending_w.pop(key, None)
             if g is not None:   # first stage: the deferred full backward
                 run(backward_steps(tape, g))
             else:
                 weight_backward(tape, params)
         else:
-            tensors, grads = self._pending_w.pop(key)
+            tensors, grads = self.state.pending_w.pop(key)
             if params:   # a stage may hold no layers (more stages than layers)
                 torch.autograd.backward(tensors, grads, inputs=params)
-        self.outputs.pop(key)
-        self.aux.pop(key)
-        self.inputs.pop(key, None)
+        self.state.outputs.pop(key)
+        self.state.aux.pop(key)
+        self.state.inputs.pop(key, None)
 
     def _finish_backward(self, a: Action) -> None:
-        self.outputs.pop((a.mb, a.stage))
-        self.aux.pop((a.mb, a.stage))
-        x = self.inputs.pop((a.mb, a.stage), None)
+        self.state.outputs.pop((a.mb, a.stage))
+        self.state.aux.pop((a.mb, a.stage))
+        x = self.state.inputs.pop((a.mb, a.stage), None)
         if x is not None:
-            self.in_grads[(a.mb, a.stage)] = x.grad
+            self.state.in_grads[(a.mb, a.stage)] = x.grad
 
     def _fb(self, a: Action) -> None:
         """F&B: with ``overlap`` the forward half's and the backward half's pieces alternate in this
@@ -204,21 +221,21 @@ class PipelineExecutor:
             self._f(fwd)
             self._bw(bwd)
             return
-        run_pair(self._f_steps(fwd), self._bw_steps(bwd), self.fb_pieces)
+        run_pair(self._f_steps(fwd), self._bw_steps(bwd), self.state.fb_pieces)
 
     # ---- communication ---------------------------------------------------------------------------
     def _send(self, a: Action) -> None:
         if a.payload is Payload.ACT:
-            t = self.outputs[(a.mb, a.stage)].detach()
+            t = self.state.outputs[(a.mb, a.stage)].detach()
         else:
-            t = self.in_grads.pop((a.mb, a.stage))
+            t = self.state.in_grads.pop((a.mb, a.stage))
         t = t.to(self.WIRE_DTYPE).contiguous()
-        self.sends.append((self.p2p.isend(t, a.peer, (a.payload.value, a.mb, a.stage)), t))
+        self.state.sends.append((self.p2p.isend(t, a.peer, (a.payload.value, a.mb, a.stage)), t))
 
     def _recv(self, a: Action) -> None:
-        ids = self.mb[a.mb][0]
+        ids = self.state.mb[a.mb][0]
         buf = torch.empty(ids.shape[0], ids.shape[1], self.dim, device=self.device, dtype=self.WIRE_DTYPE)
-        self.recv[(a.payload, a.mb, a.stage)] = self.p2p.recv(buf, a.peer, (a.payload.value, a.mb, a.stage))
+        self.state.recv[(a.payload, a.mb, a.stage)] = self.p2p.recv(buf, a.peer, (a.payload.value, a.mb, a.stage))
 
     # ---- helpers ---------------------------------------------------------------------------------
     @staticmethod

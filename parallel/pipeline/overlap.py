@@ -159,7 +159,7 @@ class _Listed:
 
     def __init__(self, h):
         self.h = h
-        self.injected_s = h.injected_s
+        self.injected_s = getattr(h, "injected_s", 0.0)   # see ``run_pair``
 
     def wait(self):
         return [self.h.wait()]
@@ -168,32 +168,32 @@ class _Listed:
 class _HierRoute:
     """``HierarchicalDispatcher``: inter-node hop (token rows, gate weights, expert ids), the forwarder's
     intra-node hop, the experts, the intra-node hop back, the forwarder's weighted sum, the inter-node
-    hop back: four cuts. The injected latency is on the inter-node hops, as in the autograd path."""
+    hop back: four cuts."""
 
     def __init__(self, dispatcher):
         self.d = dispatcher
 
-    def _link(self, sends: list, out_splits, in_splits, hop: str, latency: bool, count, stat: str) -> Link:
+    def _link(self, sends: list, out_splits, in_splits, hop: str, count, stat: str) -> Link:
         d = self.d
-        return Link(sends, d.start(sends, out_splits, in_splits, hop, latency, count, stat),
-                    lambda g: d.start(g, in_splits, out_splits, hop, latency, None, stat))
+        return Link(sends, d.start(sends, out_splits, in_splits, hop, count, stat),
+                    lambda g: d.start(g, in_splits, out_splits, hop, None, stat))
 
     def steps(self, moe, u_TD, topk_idx_TK, w_TK, carry: tuple, tape: Tape) -> Steps:
         d, st = self.d, self.d.stats
         nplan = d.plan_nodes(topk_idx_TK)
         sends = [u_TD[nplan.pair_tok], w_TK[nplan.pair_tok] * nplan.on_node_PK, nplan.ids_PK]
-        carry, (x1, w1, ids1) = yield from tape.cut(carry, self._link(sends, nplan.out1, nplan.in1, "inter", True,
+        carry, (x1, w1, ids1) = yield from tape.cut(carry, self._link(sends, nplan.out1, nplan.in1, "inter",
                                                                      st.count_dispatch, "dispatch_s"))
         fplan = d.plan_forward(ids1)
         x_send = x1[fplan.copy_row[fplan.order2]]
         (w1, *carry), (x2,) = yield from tape.cut((w1, *carry), self._link([x_send], fplan.out2, fplan.in2, "intra",
-                                                                           False, st.count_dispatch, "dispatch_s"))
+                                                                           st.count_dispatch, "dispatch_s"))
         y_RD = moe.experts(x2[fplan.perm], fplan.tokens_per_expert)
         y_send = y_RD[torch.argsort(fplan.perm)]
         (w1, *carry), (y2,) = yield from tape.cut((w1, *carry), self._link([y_send], fplan.in2, fplan.out2, "intra",
-                                                                           False, st.count_combine, "combine_s"))
+                                                                           st.count_combine, "combine_s"))
         partial = d.forwarder_sum(y2, w1, fplan)
-        carry, (y1,) = yield from tape.cut(tuple(carry), self._link([partial], nplan.in1, nplan.out1, "inter", True,
+        carry, (y1,) = yield from tape.cut(tuple(carry), self._link([partial], nplan.in1, nplan.out1, "inter",
                                                                     st.count_combine, "combine_s"))
         return d.node_sum(y1, nplan), tuple(carry)
 
@@ -351,7 +351,8 @@ def run_pair(a: Steps, b: Steps, timings: list | None = None) -> tuple[Any, Any]
 
     ``timings``: if given, gets ``(i, compute_s, wait_s, injected_s)`` per step of generator i (0 = a):
     the seconds spent computing its piece and, before it, waiting for its previous transfers, and the
-    latency injected into those (``handle.injected_s``; None when the step waited for nothing)."""
+    latency a benchmark injected into those (``handle.injected_s``, see ``bench/latency.py``; 0 for real
+    transfers, None when the step waited for nothing)."""
     gens, handles, done, results = [a, b], [None, None], [False, False], [None, None]
     while not all(done):
         for i in (0, 1):

@@ -1,0 +1,84 @@
+"""Injected expert all-to-all latency, for overlap measurements on CPU processes (``bench/pipeline_overlap.py``,
+``bench/moe_ep.py``, ``tests/test_pipeline_overlap.py``).
+
+``add_latency(model, latency_s)`` replaces every MoE layer's EP dispatcher by a twin (same state) whose
+token-row transfers take ``latency_s`` on the wire: every one over the flat EP group
+(``AllToAllDispatcher``), the inter-node hops of ``HierarchicalDispatcher``; count and id exchanges are
+not delayed. The latency is a deadline: a transfer launched at t arrives at t + latency, and waiting
+for it sleeps only what is left (``Deadline``), so compute done in between hides it. The autograd path
+(``dispatch`` / ``combine``) waits at once and pays it all, forward and backward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from models.moe import MoE
+from parallel.ep.dispatch import AllToAllDispatcher, HierarchicalDispatcher
+
+
+class Deadline:
+    """A transfer handle that arrives ``latency_s`` after it was wrapped (right after its launch).
+    ``injected_s``: read by ``parallel.pipeline.overlap.run_pair``'s timings."""
+
+    def __init__(self, handle, latency_s: float):
+        self.handle, self.injected_s = handle, latency_s
+        self.due = time.perf_counter() + latency_s
+
+    def wait(self):
+        out = self.handle.wait()
+        left = self.due - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return out
+
+
+class _Latency:
+    """Over a dispatcher class: the autograd calls pay the latency once per call, forward (counted in the
+    dispatcher's stats, as the time of a blocking transfer) and backward."""
+    latency_s = 0.0
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        x_RD, tokens_per_expert, handle = super().dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+        return self._pay(x_RD, "dispatch_s"), tokens_per_expert, handle
+
+    def combine(self, y_RD, handle):
+        return self._pay(super().combine(y_RD, handle), "combine_s")
+
+    def _pay(self, t: torch.Tensor, stat: str) -> torch.Tensor:
+        t0 = time.perf_counter()
+        time.sleep(self.latency_s)
+        setattr(self.stats, stat, getattr(self.stats, stat) + time.perf_counter() - t0)
+        if t.requires_grad:   # the gradient's transfer back: synchronous too
+            t.register_hook(lambda g: time.sleep(self.latency_s))
+        return t
+
+
+class AllToAllWithLatency(_Latency, AllToAllDispatcher):
+    def start(self, rows, plan, direction):
+        return Deadline(super().start(rows, plan, direction), self.latency_s)
+
+
+class HierarchicalWithLatency(_Latency, HierarchicalDispatcher):
+    def start(self, rows, out_splits, in_splits, hop, *args, **kwargs):
+        handle = super().start(rows, out_splits, in_splits, hop, *args, **kwargs)
+        return Deadline(handle, self.latency_s) if hop == "inter" else handle
+
+
+def with_latency(dispatcher, latency_s: float):
+    """The latency twin of ``dispatcher``, sharing its state (groups, stats, name)."""
+    twin_cls = {AllToAllDispatcher: AllToAllWithLatency, HierarchicalDispatcher: HierarchicalWithLatency}
+    twin = object.__new__(twin_cls[type(dispatcher)])
+    twin.__dict__.update(vars(dispatcher))
+    twin.latency_s = latency_s
+    return twin
+
+
+def add_latency(model: torch.nn.Module, latency_s: float) -> torch.nn.Module:
+    """Give every MoE layer with an EP dispatcher ``latency_s`` per token-row transfer (none when 0)."""
+    if latency_s:
+        for moe in model.modules():
+            if isinstance(moe, MoE) and isinstance(moe.dispatcher, (AllToAllDispatcher, HierarchicalDispatcher)):
+                moe.dispatcher = with_latency(moe.dispatcher, latency_s)
+    return model
