@@ -17,7 +17,7 @@ from parallel.errors import P2PError
 from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.replicas import ReplicaSync
 from parallel.pipeline.schedules import Kind, get_schedule
-from parallel.pipeline.stages import build_stages, n_stages_of, prune_model
+from parallel.pipeline.stages import build_stages, prune_model
 
 from .dist_utils import grads_with_reference, rel_err, spawn
 
@@ -48,11 +48,12 @@ def _worker(rank, world, schedule, pp, ep, n_mb):
         ref_lm.append(out.lm_loss)
 
     model = apply_ep(model, dims)
-    stages = build_stages(model, schedule, dims.pp, dims.pp_rank)
+    sched = get_schedule(schedule, dims.pp, n_mb)
+    stages = build_stages(model, sched, dims.pp_rank)
     prune_model(model, stages)
-    replicas = ReplicaSync(cfg, schedule, dims)
-    actions = get_schedule(schedule, dims.pp, n_mb)[dims.pp_rank]
-    ex = PipelineExecutor(stages, actions, PipeChannels(dims), n_stages_of(schedule, dims.pp), cfg.dim)
+    replicas = ReplicaSync(cfg, sched, dims)
+    actions = sched[dims.pp_rank]
+    ex = PipelineExecutor(stages, actions, PipeChannels(dims), sched.n_stages, cfg.dim)
     mine = [g[dims.dp_rank * rows:(dims.dp_rank + 1) * rows] for g in global_mbs]
     sums = ex.step([(m[:, :-1], m[:, 1:]) for m in mine], 1.0 / n_mb, 0.3, 0.01)
     replicas.sum_grads(model)
@@ -102,9 +103,10 @@ def _reordered_worker(rank, world, strict, out=None):
     for i in range(n_mb):
         g = ids[i * rows:(i + 1) * rows]
         (ref.compute_loss(g[:, :-1], g[:, 1:], mtp_weight=0.3, aux_alpha=0.01).loss / n_mb).backward()
-    stages = build_stages(model, "dualpipe", 2, rank)
+    sched = get_schedule("dualpipe", 2, n_mb)
+    stages = build_stages(model, sched, rank)
     prune_model(model, stages)
-    actions = list(get_schedule("dualpipe", 2, n_mb)[rank])
+    actions = list(sched[rank])
     if rank == 1:
         i = next(i for i, (a, b) in enumerate(zip(actions, actions[1:]))
                  if a.kind is b.kind is Kind.RECV and a.peer == b.peer and a.payload is not b.payload)
@@ -117,7 +119,7 @@ def _reordered_worker(rank, world, strict, out=None):
         if out is not None:
             Path(out, f"rank{rank}.err").write_text(str(e))
         raise
-    ReplicaSync(cfg, "dualpipe", dims).sum_grads(model)
+    ReplicaSync(cfg, sched, dims).sum_grads(model)
     worst = max(cos_dist(g, g_ref) for _, g, g_ref in grads_with_reference(model, ref, dims))
     worst = torch.tensor([worst], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)

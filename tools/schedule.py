@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
+from parallel.pipeline.schedules import SCHEDULES, Kind, Schedule, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate, table_bubble
 
 # (chunk 0, chunk 1) colours per kind; chunk 1 is DualPipe's reverse direction / the V's way back.
 COLOURS = {Kind.F: ("#fbd38d", "#e8912d"), Kind.B: ("#b5e3b5", "#4fae5b"), Kind.W: ("#b9d7f0", "#4a8fcf")}
 
 
-def report(name: str, pp: int, n: int, costs: Costs, sim: Simulation) -> str:
-    lines = [f"{name}: pp={pp} micro-batches={n} costs F={costs.f:g} b={costs.b:g} W={costs.w:g} "
+def report(schedule: Schedule, costs: Costs, sim: Simulation) -> str:
+    name, pp = schedule.name, schedule.pp
+    lines = [f"{name}: pp={pp} micro-batches={schedule.n_microbatches} costs F={costs.f:g} b={costs.b:g} W={costs.w:g} "
              f"F&B={costs.of_fb():g} p2p={costs.p2p:g}  makespan={sim.makespan:g}",
              f"{'rank':>4} {'busy':>8} {'bubble':>8} {'peak act':>8}"]
     for r in range(pp):
@@ -93,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)
     try:
-        sim = simulate(get_schedule(args.schedule, args.pp, args.microbatches), costs)
+        schedule = get_schedule(args.schedule, args.pp, args.microbatches)
+        sim = simulate(schedule, costs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(args.schedule, args.pp, args.microbatches, costs, sim))
+    print(report(schedule, costs, sim))
     if args.out:
         title = (f"{args.schedule}, pp={args.pp}, {args.microbatches} micro-batches: bubble {sim.max_bubble:g} "
                  f"(formula {table_bubble(args.schedule, args.pp, costs):g}), makespan {sim.makespan:g}")

@@ -14,15 +14,16 @@ import models
 from models.config import ModelConfig
 
 from ..dims import ParallelDims
+from .schedules import Schedule
 from .stages import build_stages, prune_model
 
 
-def holders(cfg: ModelConfig, schedule: str, pp: int, layout: list[int] | None = None) -> dict[str, tuple[int, ...]]:
+def holders(cfg: ModelConfig, schedule: Schedule, layout: list[int] | None = None) -> dict[str, tuple[int, ...]]:
     """Tensor name (parameters and buffers) -> the pipeline ranks that hold it."""
     held: dict[str, list[int]] = {}
-    for r in range(pp):
+    for r in range(schedule.pp):
         model = models.build(cfg, "meta")
-        prune_model(model, build_stages(model, schedule, pp, r, layout))
+        prune_model(model, build_stages(model, schedule, r, layout))
         names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
         for n in names:
             held.setdefault(n, []).append(r)
@@ -32,8 +33,8 @@ def holders(cfg: ModelConfig, schedule: str, pp: int, layout: list[int] | None =
 class ReplicaSync:
     """Process groups for each holder set of this rank (built once, on every rank, same order)."""
 
-    def __init__(self, cfg: ModelConfig, schedule: str, dims: ParallelDims, layout: list[int] | None = None):
-        self.holders = holders(cfg, schedule, dims.pp, layout)
+    def __init__(self, cfg: ModelConfig, schedule: Schedule, dims: ParallelDims, layout: list[int] | None = None):
+        self.holders = holders(cfg, schedule, layout)
         self.groups: dict[tuple[int, ...], object] = {}
         for hs in sorted({h for h in self.holders.values() if len(h) > 1}):
             for d in range(dims.dp):

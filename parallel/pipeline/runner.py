@@ -17,17 +17,18 @@ from .p2p import PipeChannels
 from .schedules.actions import Kind
 from .replicas import ReplicaSync
 from .schedules import get_schedule
-from .stages import build_stages, n_stages_of, prune_model
+from .stages import build_stages, prune_model
 
 
 class PipelineRunner:
     def __init__(self, model: DeepSeekV3, dims: ParallelDims, schedule: str, n_microbatches: int,
                  layout: list[int] | None = None, device: torch.device | str = "cpu", overlap: bool = True):
-        self.dims, self.schedule, self.cfg = dims, schedule, model.cfg
-        self.n_stages = n_stages_of(schedule, dims.pp)
-        self.stages = build_stages(model, schedule, dims.pp, dims.pp_rank, layout)
+        self.dims, self.cfg = dims, model.cfg
+        self.schedule = get_schedule(schedule, dims.pp, n_microbatches)
+        self.n_stages = self.schedule.n_stages
+        self.stages = build_stages(model, self.schedule, dims.pp_rank, layout)
         prune_model(model, self.stages)
-        self.replicas = ReplicaSync(model.cfg, schedule, dims, layout)
+        self.replicas = ReplicaSync(model.cfg, self.schedule, dims, layout)
         self.p2p = PipeChannels(dims)
         self.device, self._overlap = torch.device(device), overlap
         self.n_microbatches = None
@@ -38,8 +39,8 @@ class PipelineRunner:
         between steps; every rank changes at the same step). The stages and channels stay."""
         if n == self.n_microbatches:
             return
-        self._schedule = get_schedule(self.schedule, self.dims.pp, n)
-        self.executor = PipelineExecutor(self.stages, self._schedule[self.dims.pp_rank], self.p2p, self.n_stages,
+        self.schedule = get_schedule(self.schedule.name, self.dims.pp, n)
+        self.executor = PipelineExecutor(self.stages, self.schedule[self.dims.pp_rank], self.p2p, self.n_stages,
                                          self.cfg.dim, self.device, self._overlap)
         self.n_microbatches = n
 
@@ -64,7 +65,7 @@ class PipelineRunner:
         w = mean.get(Kind.W, bw / 2)
         b = mean.get(Kind.B, bw - w)
         costs = Costs(f=f, b=b, w=w, bw=bw, fb=mean.get(Kind.FB))
-        sim = simulate(self._schedule, costs)
+        sim = simulate(self.schedule, costs)
         r = self.dims.pp_rank
         total = sim.bubble[r] + sim.busy[r]
         return measured, (sim.bubble[r] / total if total > 0 else 0.0)
@@ -84,7 +85,7 @@ class PipelineRunner:
         holder = {}
         for chunk, st in self.stages.items():
             holder[st.stage] = chunk
-        owner = self._owners()
+        owner = {s: self.schedule.rank_of(s) for s in range(self.n_stages)}   # twin stages: the chunk-0 copy
         total = torch.zeros((), dtype=torch.float64, device=self.device)   # NCCL reduces device tensors only
         for i, (ids, labels) in enumerate(batches):
             ids, labels = ids.to(self.device), labels.to(self.device)
@@ -106,14 +107,3 @@ class PipelineRunner:
                             self.p2p.isend(h, owner[s + 1], ("eval", i, s)).wait()
         dist.all_reduce(total, group=self.dims.group("pp"))   # only the last stage's owner added to it
         return float(total) / max(len(batches), 1)
-
-    def _owners(self) -> dict[int, int]:
-        """Stage -> the pipeline rank that runs it in evaluation (chunk 0 holder first)."""
-        from .stages import stage_ids
-        owners: dict[int, int] = {}
-        for chunk in (0, 1):
-            for r in range(self.dims.pp):
-                s = stage_ids(self.schedule, self.dims.pp, r).get(chunk)
-                if s is not None and s not in owners:
-                    owners[s] = r
-        return owners

@@ -1,4 +1,4 @@
-"""Simulate and check a pipeline schedule (``list[list[Action]]``, one list per rank).
+"""Simulate and check a pipeline schedule (a ``Schedule`` or any ``list[list[Action]]``, one list per rank).
 
 ``simulate(schedule, costs)`` runs every rank's list in order and returns each action's start/end,
 the makespan, per-rank bubble and peak live activations. While it runs it checks the schedule and
@@ -41,10 +41,11 @@ an F&B both the new activation and the one being freed are live for the whole ac
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 from .schedules.actions import Action, Kind, Payload
+from .schedules.schedule import count_stages
 
 
 class ScheduleError(ValueError):
@@ -103,48 +104,72 @@ class _Rank:
     got: set = field(default_factory=set)    # (payload, mb, stage) received here
 
 
-def simulate(schedule: list[list[Action]], costs: Costs = Costs(), n_microbatches: int | None = None) -> Simulation:
+def simulate(schedule: Sequence[Sequence[Action]], costs: Costs = Costs(),
+             n_microbatches: int | None = None) -> Simulation:
     """Time and check ``schedule``; raises ``ScheduleError`` on the first problem (see module doc).
     ``n_microbatches``: also require micro-batches 0..n-1 (default: up to the largest one seen)."""
-    ranks = [_Rank(list(a)) for a in schedule]
-    n_stages = 1 + max((p.stage for a in chain.from_iterable(schedule) if a.is_compute for p in a.parts()), default=-1)
-    posted: dict[tuple, float] = {}  # (kind, payload, mb, stage, src, dst) -> time the op was posted
-    queued: dict[tuple[int, int], list[tuple[tuple, float]]] = {}   # (src, dst) -> SENDs in issue order
-    received: dict[tuple[int, int], int] = {}                        # (src, dst) -> RECVs matched so far
-    done = {Kind.F: {}, Kind.B: {}, Kind.W: {}, Kind.BW: {}}  # (mb, stage) -> rank
+    sim = _Simulator(schedule, costs)
+    sim.run()
+    sim.check_transfers()
+    sim.check_complete(n_microbatches)
+    return sim.result()
 
-    def fail(r: int, msg: str):
-        a = ranks[r].actions[ranks[r].pos]
-        raise ScheduleError(f"rank {r}, action {ranks[r].pos} ({a}): {msg}")
 
-    def key(r: int, a: Action, counterpart: bool = False) -> tuple:
-        src, dst = (r, a.peer) if a.kind is Kind.SEND else (a.peer, r)
-        kind = a.kind if not counterpart else (Kind.RECV if a.kind is Kind.SEND else Kind.SEND)
-        return (kind, a.payload, a.mb, a.stage, src, dst)
+class _Simulator:
+    """The state of one simulation: every rank's progress and the transfers posted so far."""
 
-    def compute(r: int, a: Action):
-        st = ranks[r]
+    def __init__(self, schedule: Sequence[Sequence[Action]], costs: Costs):
+        self.ranks = [_Rank(list(a)) for a in schedule]
+        self.costs = costs
+        self.n_stages = count_stages(schedule)
+        self.posted: dict[tuple, float] = {}  # (kind, payload, mb, stage, src, dst) -> time the op was posted
+        self.queued: dict[tuple[int, int], list[tuple[tuple, float]]] = {}   # (src, dst) -> SENDs in issue order
+        self.received: dict[tuple[int, int], int] = {}                        # (src, dst) -> RECVs matched so far
+        self.done = {Kind.F: {}, Kind.B: {}, Kind.W: {}, Kind.BW: {}}  # (mb, stage) -> rank
+
+    def fail(self, r: int, msg: str):
+        st = self.ranks[r]
+        raise ScheduleError(f"rank {r}, action {st.pos} ({st.actions[st.pos]}): {msg}")
+
+    def run(self) -> None:
+        """Advance the ranks until all are done; a deadlock is an error."""
+        progress = True
+        while progress:
+            progress = False
+            for r, st in enumerate(self.ranks):
+                while st.pos < len(st.actions) and self.step(r):
+                    progress = True
+        stuck = [r for r, st in enumerate(self.ranks) if st.pos < len(st.actions)]
+        if stuck:
+            waits = "; ".join(f"rank {r} at action {self.ranks[r].pos} ({self.ranks[r].actions[self.ranks[r].pos]})"
+                              for r in stuck)
+            raise ScheduleError(f"deadlock: no rank can make progress; waiting: {waits}")
+
+    def step(self, r: int) -> bool:
+        """Advance rank r by one action; False if it waits on a RECV whose SEND has not been posted."""
+        st = self.ranks[r]
+        a = st.actions[st.pos]
+        if a.is_compute:
+            self.compute(r, a)
+            return True
+        sent_at = self.matching_send(r, a) if a.kind is Kind.RECV else None
+        if a.kind is Kind.RECV and sent_at is None:
+            return False
+        self.post(r, a)
+        end = st.time if a.kind is Kind.SEND else max(st.time, sent_at + self.costs.p2p)
+        if a.kind is Kind.RECV:
+            self.received[a.peer, r] = self.received.get((a.peer, r), 0) + 1
+            st.got.add((a.payload, a.mb, a.stage))
+        st.spans.append(Span(a, st.time, end))
+        st.time, st.pos = end, st.pos + 1
+        return True
+
+    def compute(self, r: int, a: Action) -> None:
+        st = self.ranks[r]
         for p in a.parts():
+            self.check_inputs(r, p)
             ms = (p.mb, p.stage)
-            prior = (done[Kind.B].get(ms, done[Kind.BW].get(ms)) if p.kind in (Kind.B, Kind.BW)
-                     else done[p.kind].get(ms))
-            if prior is not None:
-                fail(r, f"second {'backward' if p.kind in (Kind.B, Kind.BW) else p.kind.value} of micro-batch "
-                        f"{p.mb} stage {p.stage} (the first ran on rank {prior})")
-            if p.kind is Kind.F and p.stage > 0 and (p.mb, p.stage - 1) not in st.fwd \
-                    and (Payload.ACT, p.mb, p.stage - 1) not in st.got:
-                fail(r, f"F of micro-batch {p.mb} stage {p.stage} before its input: no earlier F of stage "
-                        f"{p.stage - 1} on this rank and no RECV of that activation (missing send/recv?)")
-            if p.kind in (Kind.B, Kind.BW):
-                if ms not in st.fwd:
-                    fail(r, f"backward of micro-batch {p.mb} stage {p.stage} before its F on this rank")
-                if p.stage < n_stages - 1 and (p.mb, p.stage + 1) not in st.bwd \
-                        and (Payload.GRAD, p.mb, p.stage + 1) not in st.got:
-                    fail(r, f"backward of micro-batch {p.mb} stage {p.stage} before the gradient of stage "
-                            f"{p.stage + 1} (no earlier backward on this rank, no RECV; missing send/recv?)")
-            if p.kind is Kind.W and ms not in st.split:
-                fail(r, f"W of micro-batch {p.mb} stage {p.stage} without an earlier B on this rank")
-            done[p.kind][ms] = r
+            self.done[p.kind][ms] = r
             if p.kind is Kind.F:
                 st.fwd.add(ms)
             elif p.kind in (Kind.B, Kind.BW):
@@ -153,93 +178,101 @@ def simulate(schedule: list[list[Action]], costs: Costs = Costs(), n_microbatche
                 st.split.add(ms)
             elif p.kind is Kind.W:
                 st.split.discard(ms)
-        end = st.time + costs.of(a)
+        end = st.time + self.costs.of(a)
         st.spans.append(Span(a, st.time, end))
         st.time, st.pos = end, st.pos + 1
 
-    def post(r: int, a: Action):
-        st = ranks[r]
-        k = key(r, a)
-        if k in posted:
-            fail(r, "the same transfer is posted twice")
-        if a.kind is Kind.SEND and (a.mb, a.stage) not in (st.fwd if a.payload is Payload.ACT else st.bwd):
-            fail(r, f"SEND of {a.payload.value} of micro-batch {a.mb} stage {a.stage} before it is computed here")
-        posted[k] = st.time
-        if a.kind is Kind.SEND:
-            queued.setdefault((r, a.peer), []).append((k, st.time))
+    def check_inputs(self, r: int, p: Action) -> None:
+        """Compute part ``p`` on rank r runs once and after its inputs."""
+        st, done, ms = self.ranks[r], self.done, (p.mb, p.stage)
+        backward = p.kind in (Kind.B, Kind.BW)
+        prior = done[Kind.B].get(ms, done[Kind.BW].get(ms)) if backward else done[p.kind].get(ms)
+        if prior is not None:
+            self.fail(r, f"second {'backward' if backward else p.kind.value} of micro-batch "
+                         f"{p.mb} stage {p.stage} (the first ran on rank {prior})")
+        if p.kind is Kind.F and p.stage > 0 and (p.mb, p.stage - 1) not in st.fwd \
+                and (Payload.ACT, p.mb, p.stage - 1) not in st.got:
+            self.fail(r, f"F of micro-batch {p.mb} stage {p.stage} before its input: no earlier F of stage "
+                         f"{p.stage - 1} on this rank and no RECV of that activation (missing send/recv?)")
+        if backward:
+            if ms not in st.fwd:
+                self.fail(r, f"backward of micro-batch {p.mb} stage {p.stage} before its F on this rank")
+            if p.stage < self.n_stages - 1 and (p.mb, p.stage + 1) not in st.bwd \
+                    and (Payload.GRAD, p.mb, p.stage + 1) not in st.got:
+                self.fail(r, f"backward of micro-batch {p.mb} stage {p.stage} before the gradient of stage "
+                             f"{p.stage + 1} (no earlier backward on this rank, no RECV; missing send/recv?)")
+        if p.kind is Kind.W and ms not in st.split:
+            self.fail(r, f"W of micro-batch {p.mb} stage {p.stage} without an earlier B on this rank")
 
-    def matching_send(r: int, a: Action) -> float | None:
+    def post(self, r: int, a: Action) -> None:
+        st = self.ranks[r]
+        src, dst = (r, a.peer) if a.kind is Kind.SEND else (a.peer, r)
+        k = (a.kind, a.payload, a.mb, a.stage, src, dst)
+        if k in self.posted:
+            self.fail(r, "the same transfer is posted twice")
+        if a.kind is Kind.SEND and (a.mb, a.stage) not in (st.fwd if a.payload is Payload.ACT else st.bwd):
+            self.fail(r, f"SEND of {a.payload.value} of micro-batch {a.mb} stage {a.stage} before it is computed here")
+        self.posted[k] = st.time
+        if a.kind is Kind.SEND:
+            self.queued.setdefault((r, a.peer), []).append((k, st.time))
+
+    def matching_send(self, r: int, a: Action) -> float | None:
         """Post time of the SEND a RECV pairs with under FIFO (None: not posted yet); a FIFO violation
         (that SEND carries another tensor) is an error."""
-        stream, k = queued.get((a.peer, r), []), received.get((a.peer, r), 0)
+        stream, k = self.queued.get((a.peer, r), []), self.received.get((a.peer, r), 0)
         if k >= len(stream):
             return None
         (_, payload, mb, stage, _, _), t = stream[k]
         if (payload, mb, stage) != (a.payload, a.mb, a.stage):
-            fail(r, f"FIFO violation: this is RECV #{k} from rank {a.peer}, but rank {a.peer}'s SEND #{k} to rank "
-                    f"{r} is {payload.value} of micro-batch {mb} stage {stage}; NCCL pairs them in issue order "
-                    f"(tags are ignored), so the tensors would be swapped or the ranks would hang")
+            self.fail(r, f"FIFO violation: this is RECV #{k} from rank {a.peer}, but rank {a.peer}'s SEND #{k} to "
+                         f"rank {r} is {payload.value} of micro-batch {mb} stage {stage}; NCCL pairs them in issue "
+                         f"order (tags are ignored), so the tensors would be swapped or the ranks would hang")
         return t
 
-    def step(r: int) -> bool:
-        """Advance rank r by one action; False if it waits on a RECV whose SEND has not been posted."""
-        st = ranks[r]
-        a = st.actions[st.pos]
-        if a.is_compute:
-            compute(r, a)
-            return True
-        sent_at = matching_send(r, a) if a.kind is Kind.RECV else None
-        if a.kind is Kind.RECV and sent_at is None:
-            return False
-        post(r, a)
-        end = st.time if a.kind is Kind.SEND else max(st.time, sent_at + costs.p2p)
-        if a.kind is Kind.RECV:
-            received[a.peer, r] = received.get((a.peer, r), 0) + 1
-            st.got.add((a.payload, a.mb, a.stage))
-        st.spans.append(Span(a, st.time, end))
-        st.time, st.pos = end, st.pos + 1
-        return True
+    def check_transfers(self) -> None:
+        """Every SEND has its RECV and every RECV its SEND."""
+        posted = self.posted
+        unmatched = [k for k in posted if (Kind.RECV if k[0] is Kind.SEND else Kind.SEND, *k[1:]) not in posted]
+        if unmatched:
+            kind, payload, mb, stage, src, dst = unmatched[0]
+            raise ScheduleError(f"{kind.value} of {payload.value} of micro-batch {mb} stage {stage} from rank {src} "
+                                f"to rank {dst} has no matching {'RECV' if kind is Kind.SEND else 'SEND'} "
+                                f"({len(unmatched)} unmatched)")
 
-    progress = True
-    while progress:
-        progress = False
-        for r, st in enumerate(ranks):
-            while st.pos < len(st.actions) and step(r):
-                progress = True
-    stuck = [r for r, st in enumerate(ranks) if st.pos < len(st.actions)]
-    if stuck:
-        waits = "; ".join(f"rank {r} at action {ranks[r].pos} ({ranks[r].actions[ranks[r].pos]})" for r in stuck)
-        raise ScheduleError(f"deadlock: no rank can make progress; waiting: {waits}")
+    def check_complete(self, n_microbatches: int | None) -> None:
+        """Every (mb, stage) has one F and one BW, or one B and one W."""
+        done = self.done
+        n_mb = n_microbatches if n_microbatches is not None else 1 + max((mb for mb, _ in done[Kind.F]), default=-1)
+        for mb in range(n_mb):
+            for s in range(self.n_stages):
+                ms = (mb, s)
+                if ms not in done[Kind.F] or not (ms in done[Kind.BW] or (ms in done[Kind.B] and ms in done[Kind.W])):
+                    have = [k.value for k in done if ms in done[k]] or ["nothing"]
+                    raise ScheduleError(f"micro-batch {mb} stage {s} needs one F and one BW (or one B and one W); "
+                                        f"it has {', '.join(have)}")
 
-    unmatched = [k for k in posted if (Kind.RECV if k[0] is Kind.SEND else Kind.SEND, *k[1:]) not in posted]
-    if unmatched:
-        kind, payload, mb, stage, src, dst = unmatched[0]
-        raise ScheduleError(f"{kind.value} of {payload.value} of micro-batch {mb} stage {stage} from rank {src} "
-                            f"to rank {dst} has no matching {'RECV' if kind is Kind.SEND else 'SEND'} "
-                            f"({len(unmatched)} unmatched)")
-    n_mb = n_microbatches if n_microbatches is not None else 1 + max((mb for mb, _ in done[Kind.F]), default=-1)
-    for mb in range(n_mb):
-        for s in range(n_stages):
-            ms = (mb, s)
-            if ms not in done[Kind.F] or not (ms in done[Kind.BW] or (ms in done[Kind.B] and ms in done[Kind.W])):
-                have = [k.value for k in done if ms in done[k]] or ["nothing"]
-                raise ScheduleError(f"micro-batch {mb} stage {s} needs one F and one BW (or one B and one W); "
-                                    f"it has {', '.join(have)}")
+    def result(self) -> Simulation:
+        busy, bubble, peak = [], [], []
+        for st in self.ranks:
+            work = [s for s in st.spans if s.action.is_compute]
+            busy.append(sum(s.end - s.start for s in work))
+            bubble.append((work[-1].end - work[0].start - busy[-1]) if work else 0.0)
+            peak.append(peak_live(work))
+        makespan = max((st.time for st in self.ranks), default=0.0)
+        return Simulation([st.spans for st in self.ranks], makespan, busy, bubble, peak)
 
-    busy, bubble, peak = [], [], []
-    for st in ranks:
-        work = [s for s in st.spans if s.action.is_compute]
-        busy.append(sum(s.end - s.start for s in work))
-        bubble.append((work[-1].end - work[0].start - busy[-1]) if work else 0.0)
-        live = top = 0
-        for s in work:
-            parts = s.action.parts()
-            live += sum(p.kind is Kind.F for p in parts)
-            top = max(top, live)
-            live -= sum(p.kind in (Kind.B, Kind.BW) for p in parts)
-        peak.append(top)
-    makespan = max((st.time for st in ranks), default=0.0)
-    return Simulation([st.spans for st in ranks], makespan, busy, bubble, peak)
+
+def peak_live(spans: Sequence[Span], weight: Callable[[int], float] = lambda stage: 1) -> float:
+    """The most activations one rank holds at once (module doc), each weighted by ``weight(stage)``."""
+    live = top = 0
+    for span in spans:
+        if not span.action.is_compute:
+            continue
+        parts = span.action.parts()
+        live += sum(weight(p.stage) for p in parts if p.kind is Kind.F)
+        top = max(top, live)
+        live -= sum(weight(p.stage) for p in parts if p.kind in (Kind.B, Kind.BW))
+    return top
 
 
 def table_bubble(name: str, pp: int, costs: Costs) -> float:

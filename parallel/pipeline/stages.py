@@ -16,6 +16,8 @@ from models.layers import rope_cos_sin
 from models.moe import MoE
 from models.transformer import DeepSeekV3, head_loss, moe_aux_loss
 
+from .schedules import Schedule
+
 
 def layer_split(n_layers: int, n_stages: int, layout: list[int] | None = None) -> list[range]:
     """Layers of each stage: ``layout`` (counts per stage) or as even as possible, extra layers to the
@@ -77,27 +79,13 @@ class Stage(nn.Module):
         return moe_aux_loss(moes, aux_alpha)
 
 
-def stage_ids(schedule: str, pp: int, pp_rank: int) -> dict[int, int]:
-    """chunk -> global stage on this pipeline rank, and the number of stages."""
-    if schedule in ("1f1b", "zb1p"):
-        return {0: pp_rank}
-    if schedule == "dualpipe":
-        return {0: pp_rank, 1: pp - 1 - pp_rank}
-    if schedule == "dualpipev":
-        return {0: pp_rank, 1: 2 * pp - 1 - pp_rank}
-    raise ValueError(f"parallel.schedule ({schedule!r}) must be one of 1f1b, zb1p, dualpipe, dualpipev")
-
-
-def n_stages_of(schedule: str, pp: int) -> int:
-    return 2 * pp if schedule == "dualpipev" else pp
-
-
-def build_stages(model: DeepSeekV3, schedule: str, pp: int, pp_rank: int,
+def build_stages(model: DeepSeekV3, schedule: Schedule, pp_rank: int,
                  layout: list[int] | None = None) -> dict[int, Stage]:
-    """This rank's stage modules, keyed by chunk. Modules are shared with ``model`` (no copies)."""
-    n = n_stages_of(schedule, pp)
+    """This rank's stage modules, keyed by chunk, placed as ``schedule`` places them. Modules are shared
+    with ``model`` (no copies)."""
+    n = schedule.n_stages
     split = layer_split(model.cfg.n_layers, n, layout)
-    chunks = stage_ids(schedule, pp, pp_rank)
+    chunks = schedule.stages_of(pp_rank)
     stages = {}
     first_here = 0 in chunks.values()
     for chunk, s in sorted(chunks.items(), key=lambda kv: kv[1]):

@@ -1,9 +1,9 @@
 """The action vocabulary shared by every pipeline schedule, the simulator and the executor.
 
-A schedule is ``list[list[Action]]``: one ordered list per pipeline rank. A rank runs its list top to
-bottom; nothing else decides order. Compute actions name the micro-batch, the *global* stage whose
-module runs, and the *chunk* (which of the rank's modules: 0, or 1 for the second module that
-DualPipe/DualPipeV place on every rank). Communication actions name the peer rank and the payload.
+A schedule is one ordered list of actions per pipeline rank (``schedule.Schedule`` holds them). A rank
+runs its list top to bottom; nothing else decides order. Compute actions name the micro-batch, the
+*global* stage whose module runs, and the *chunk* (which of the rank's modules: 0, or 1 for the second
+module that DualPipe/DualPipeV place on every rank). Communication actions name the peer rank and the payload.
 
 Kinds (costs in the simulator are in brackets):
   F    forward of one stage for one micro-batch                                  [f]
@@ -102,6 +102,19 @@ def add_p2p(compute: list[list[Action]]) -> list[list[Action]]:
     that forces it is consumed there and was sent after it. Compute order is left exactly as given.
     Which rank runs a (mb, stage) is read off the compute lists themselves.
     """
+    sends_after, streams, consumer = _sends(compute)
+    recvs_before = _recvs(compute, streams, consumer)
+    out: list[list[Action]] = []
+    for rank, actions in enumerate(compute):
+        seq: list[Action] = []
+        for i, a in enumerate(actions):
+            seq += recvs_before[rank][i] + [a] + sends_after[rank][i]
+        out.append(seq)
+    return out
+
+
+def _producers(compute: list[list[Action]]) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """``(mb, stage) -> rank`` of its forward and of its backward (B or BW)."""
     fwd_rank: dict[tuple[int, int], int] = {}
     bwd_rank: dict[tuple[int, int], int] = {}
     for rank, actions in enumerate(compute):
@@ -111,7 +124,14 @@ def add_p2p(compute: list[list[Action]]) -> list[list[Action]]:
                     fwd_rank[p.mb, p.stage] = rank
                 elif p.kind in (Kind.B, Kind.BW):
                     bwd_rank[p.mb, p.stage] = rank
+    return fwd_rank, bwd_rank
 
+
+def _sends(compute: list[list[Action]]):
+    """The SENDs after each compute action (per rank, per index), the sends of each ``(src, dst)``
+    stream in issue order, and ``(dst, payload, mb, stage) -> index`` of the compute action on dst
+    that consumes a received tensor."""
+    fwd_rank, bwd_rank = _producers(compute)
     sends_after: list[list[list[Action]]] = [[[] for _ in actions] for actions in compute]
     streams: dict[tuple[int, int], list[Action]] = {}   # (src, dst) -> sends in issue order
     consumer: dict[tuple[int, Payload, int, int], int] = {}   # (dst, payload, mb, stage) -> compute index
@@ -134,25 +154,24 @@ def add_p2p(compute: list[list[Action]]) -> list[list[Action]]:
                     send = Action(Kind.SEND, p.mb, sent, p.chunk, dst, payload)
                     sends_after[rank][i].append(send)
                     streams.setdefault((rank, dst), []).append(send)
+    return sends_after, streams, consumer
 
+
+def _recvs(compute: list[list[Action]], streams: dict[tuple[int, int], list[Action]],
+           consumer: dict[tuple[int, Payload, int, int], int]) -> list[list[list[Action]]]:
+    """The RECVs before each compute action: each stream's receives in its send order, each posted no
+    later than any later item of that stream is needed."""
     recvs_before: list[list[list[Action]]] = [[[] for _ in actions] for actions in compute]
     chunk_of = {(r, p.mb, p.stage): p.chunk for r, actions in enumerate(compute) for a in actions for p in a.parts()}
     for (src, dst), sends in sorted(streams.items()):
         at = [consumer[dst, s.payload, s.mb, s.stage] for s in sends]
-        for k in range(len(at) - 2, -1, -1):    # post no later than any later item of this stream needs it
+        for k in range(len(at) - 2, -1, -1):
             at[k] = min(at[k], at[k + 1])
         for s, i in zip(sends, at):
             consumer_stage = s.stage + 1 if s.payload is Payload.ACT else s.stage - 1
             chunk = chunk_of[dst, s.mb, consumer_stage]
             recvs_before[dst][i].append(Action(Kind.RECV, s.mb, s.stage, chunk, src, s.payload))
-
-    out: list[list[Action]] = []
-    for rank, actions in enumerate(compute):
-        seq: list[Action] = []
-        for i, a in enumerate(actions):
-            seq += recvs_before[rank][i] + [a] + sends_after[rank][i]
-        out.append(seq)
-    return out
+    return recvs_before
 
 
 def p2p_streams(schedule: list[list[Action]]) -> dict[tuple[int, int], tuple[list[Action], list[Action]]]:

@@ -95,9 +95,13 @@ def resolve(ops: list[Op], module: Callable[[int, int], tuple[int, int, int]]) -
     return out
 
 
+def min_microbatches(pp: int) -> int:
+    return 2 * pp
+
+
 def dualpipe(pp: int, n_microbatches: int) -> list[list[Action]]:
     check_counts("dualpipe", "pp", pp, 2, even=True)
-    check_counts("dualpipe", "n_microbatches", n_microbatches, 2 * pp, "2*pp", even=True)
+    check_counts("dualpipe", "n_microbatches", n_microbatches, min_microbatches(pp), "2*pp", even=True)
     H, n = pp // 2, n_microbatches // 2
     ranks = []
     for r in range(pp):

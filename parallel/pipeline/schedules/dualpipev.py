@@ -18,9 +18,13 @@ from .actions import Action, add_p2p, check_counts
 from .dualpipe import local_phases, resolve
 
 
+def min_microbatches(pp: int) -> int:
+    return 2 * pp
+
+
 def dualpipev(pp: int, n_microbatches: int) -> list[list[Action]]:
     check_counts("dualpipev", "pp", pp)
-    check_counts("dualpipev", "n_microbatches", n_microbatches, 2 * pp, "2*pp")
+    check_counts("dualpipev", "n_microbatches", n_microbatches, min_microbatches(pp), "2*pp")
     ranks = []
     for r in range(pp):
         def module(phase: int, i: int, r=r) -> tuple[int, int, int]:

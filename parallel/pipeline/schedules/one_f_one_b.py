@@ -9,9 +9,13 @@ from __future__ import annotations
 from .actions import Action, Kind, add_p2p, check_counts
 
 
+def min_microbatches(pp: int) -> int:
+    return pp
+
+
 def one_f_one_b(pp: int, n_microbatches: int) -> list[list[Action]]:
     check_counts("1f1b", "pp", pp)
-    check_counts("1f1b", "n_microbatches", n_microbatches, pp, "pp")
+    check_counts("1f1b", "n_microbatches", n_microbatches, min_microbatches(pp), "pp")
     ranks = []
     for r in range(pp):
         warmup = pp - r - 1

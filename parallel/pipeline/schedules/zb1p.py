@@ -15,9 +15,13 @@ from collections import deque
 from .actions import Action, Kind, add_p2p, check_counts
 
 
+def min_microbatches(pp: int) -> int:
+    return pp
+
+
 def zb1p(pp: int, n_microbatches: int) -> list[list[Action]]:
     check_counts("zb1p", "pp", pp)
-    check_counts("zb1p", "n_microbatches", n_microbatches, pp, "pp")
+    check_counts("zb1p", "n_microbatches", n_microbatches, min_microbatches(pp), "pp")
     ranks = []
     for r in range(pp):
         warmup = pp - r - 1
