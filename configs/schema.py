@@ -1,36 +1,34 @@
 """Typed configuration schema, registered in Hydra's ConfigStore as ``schema``.
 
-YAML files in the groups beside this file only fill values; every key must exist here: ``to_object`` refuses
-a key the schema lacks (Hydra's ``+key=value`` adds any), and ``check_key`` checks a command-line key
-before Hydra composes, both with a "did you mean" hint.
-``validate(cfg, world_size)`` checks every key's range (NaN and infinities included) and the cross-field
-rules, and raises a one-line ``ConfigError`` naming the key, before anything is built.
+Every key and its default live here; the YAML groups beside this file hold only what differs (model presets,
+experiments). ``to_object`` refuses a key the schema lacks (Hydra's ``+key=value`` adds any), and ``check_key``
+checks a command-line key before Hydra composes, both with a "did you mean" hint.
+``validate(cfg, world_size)`` checks every key's range (NaN and infinities included), its allowed values
+(``configs.checks``) and the cross-field rules, and raises a one-line ``ConfigError`` naming the key, before
+anything is built.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from models.config import ConfigError, ModelConfig
+from errors import ConfigError
+from models.config import ModelConfig, ModelError
+from parallel.pipeline.schedules import NO_PIPELINE
 
-PRECISIONS = ("fp32", "bf16", "fp8")
-DEVICES = ("auto", "cpu", "cuda")
-SCHEDULES = ("none", "1f1b", "zb1p", "dualpipe", "dualpipev")
-WANDB_MODES = ("offline", "online", "disabled")
+from .checks import check_sections
 
 
 @dataclass
 class ParallelConfig:
     pp: int = 1                 # pipeline-parallel size
     ep: int = 1                 # expert-parallel size (inside the data-parallel ranks)
-    schedule: str = "none"      # pipeline schedule: none | 1f1b | zb1p | dualpipe | dualpipev
+    schedule: str = NO_PIPELINE  # pipeline schedule: none (pp = 1) or a name in parallel.pipeline.schedules.SCHEDULES
     ranks_per_node: int = 1     # GPUs per node; routing groups map to the nodes of the EP group
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
     zero_backend: str = "native"  # native (parallel/zero) | deepspeed (DeepSpeed's ZeRO-1/2 optimizer; pp = 1)
@@ -39,7 +37,6 @@ class ParallelConfig:
     timeout_s: int = 600        # collective timeout (s, > 0); a hung peer raises an error naming rank and layer
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
     overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls (docs/pipeline.md)
-    ep_latency_ms: float = 0.0  # injected latency per expert all-to-all (for overlap measurements)
     fp8_dispatch: bool = False  # MoE dispatch sends tokens as FP8 (E4M3, pow2 1x128 scales); combine stays BF16
 
 
@@ -257,193 +254,19 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-
-
-def moment_dtype(cfg: Config) -> str:
-    """The AdamW moment dtype a config resolves to: ``auto`` is bf16 under the native ZeRO optimizer
-    (DeepSeek-V3's recipe) and fp32 otherwise (torch.optim.AdamW; DeepSpeed's optimizer)."""
-    o, p = cfg.optim, cfg.parallel
-    if o.moment_dtype != "auto":
-        return o.moment_dtype
-    return "bf16" if p.zero >= 1 and p.zero_backend == "native" else "fp32"
-
-
-def _num(v: Any) -> str:
-    """A value as one would type it on the command line: ``0`` for 0.0, ``nan``, ``1e-08``."""
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return str(v)
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _need(key: str, value: Any, ok: bool, rule: str) -> None:
-    """``ok`` is the rule evaluated on ``value``; written positively so that NaN (every comparison False) fails."""
-    if not ok:
-        raise ConfigError(f"{key}: must be {rule}, got {_num(value)}")
-
-
-def _check_piecewise(key: str, pw: Piecewise) -> None:
-    for part in ("value", "then"):
-        v = getattr(pw, part)
-        if v is not None:
-            _need(f"{key}.{part}", v, _finite(v) and v >= 0, "finite and >= 0")
-    for part in ("after_steps", "after_tokens"):
-        v = getattr(pw, part)
-        if v is not None:
-            _need(f"{key}.{part}", v, v >= 0, ">= 0 or null")
-    switch = pw.after_steps is not None or pw.after_tokens is not None
-    if pw.then is not None and not switch:
-        raise ConfigError(f"{key}.then: set to {_num(pw.then)} but {key}.after_steps and {key}.after_tokens are "
-                          "both null, so it never applies; set one of them (or then=null)")
-    if pw.then is None and switch:
-        raise ConfigError(f"{key}.then: null, so {key}.after_steps / after_tokens switch to nothing; "
-                          "set then (the value after the switch) or clear them")
-
-
-def _check_phases(o: OptimConfig) -> None:
-    if o.decay == "phases" and not o.phases:
-        raise ConfigError("optim.phases: optim.decay=phases needs at least one phase {tokens, lr, shape}")
-    if o.decay != "phases" and o.phases:
-        raise ConfigError(f"optim.phases: set, but optim.decay={o.decay} ignores them; set optim.decay=phases")
-    for i, ph in enumerate(o.phases):
-        _need(f"optim.phases[{i}].tokens", ph.tokens, _finite(ph.tokens) and ph.tokens > 0, "finite and > 0")
-        _need(f"optim.phases[{i}].lr", ph.lr, _finite(ph.lr) and ph.lr >= 0, "finite and >= 0")
-        _one_of(f"optim.phases[{i}].shape", ph.shape, ("constant", "linear", "cosine"))
-
-
-def _check_ramp(t: TrainConfig) -> None:
-    r = t.batch_ramp
-    if r.start is None:
-        if r.increment is not None or r.tokens:
-            raise ConfigError("train.batch_ramp.start: null (no ramp) but increment/tokens are set; set start")
-        return
-    _need("train.batch_ramp.start", r.start, 0 < r.start < t.global_batch_size,
-          f"> 0 and < train.global_batch_size ({t.global_batch_size})")
-    inc = r.increment if r.increment is not None else r.start
-    _need("train.batch_ramp.increment", inc, inc > 0, "> 0 (or null: the start value)")
-    if (t.global_batch_size - r.start) % inc:
-        raise ConfigError(f"train.batch_ramp.increment: {inc} steps from start {r.start} never reach "
-                          f"train.global_batch_size {t.global_batch_size}; (global - start) must be a multiple of it")
-    _need("train.batch_ramp.tokens", r.tokens, _finite(r.tokens) and r.tokens > 0, "finite and > 0")
-
-
-def _check_blend(d: DataConfig) -> None:
-    for key in ("blend", "val_blend"):
-        names = []
-        for i, s in enumerate(getattr(d, key)):
-            if s.path in (None, "", "???"):
-                raise ConfigError(f"data.{key}[{i}].path: missing (a tools.prepare_data dir or a Megatron prefix)")
-            _need(f"data.{key}[{i}].weight", s.weight, _finite(s.weight) and s.weight > 0, "finite and > 0")
-            names.append(s.name or os.path.basename(os.path.normpath(s.path)))
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ConfigError(f"data.{key}: two sources are named {dup[0]}; give them distinct `name`s")
-    if d.blend and (d.path is not None or d.tokenizer is not None):
-        which = "data.path" if d.path is not None else "data.tokenizer"
-        raise ConfigError(f"{which}: set together with data.blend; token datasets carry their tokenizer, so use "
-                          f"one or the other (a single dataset is a blend of one)")
-    if d.val_blend and not d.blend:
-        raise ConfigError("data.val_blend: needs data.blend (a text corpus is split by data.val_fraction)")
-
-
-def _check_values(cfg: Config) -> None:
-    """Per-key ranges: everything that would otherwise fail (or silently train on NaN) after the build."""
-    t, p, o, d, m, c = cfg.train, cfg.parallel, cfg.optim, cfg.data, cfg.model, cfg.checkpoint
-    # model keys that ModelConfig.validate leaves open and that turn the loss into NaN or fail in init
-    for key in ("norm_eps", "init_std", "rope_theta", "route_scale"):
-        _need(f"model.{key}", getattr(m, key), _finite(getattr(m, key)) and getattr(m, key) > 0, "finite and > 0")
-    _need("model.rope_factor", m.rope_factor, _finite(m.rope_factor) and m.rope_factor >= 1,
-          "finite and >= 1 (1 disables YaRN)")
-    # optim
-    _need("optim.lr", o.lr, _finite(o.lr) and o.lr > 0, "finite and > 0")
-    _need("optim.min_lr", o.min_lr, _finite(o.min_lr) and o.min_lr >= 0, "finite and >= 0")
-    if o.min_lr > o.lr and o.decay == "cosine":   # the end of the cosine; constant and phases do not use it
-        raise ConfigError(f"optim.min_lr: must be <= optim.lr ({_num(o.lr)}), got {_num(o.min_lr)}")
-    _need("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0")
-    for key in ("beta1", "beta2"):
-        _need(f"optim.{key}", getattr(o, key), 0 <= getattr(o, key) < 1, "in [0, 1)")
-    _need("optim.eps", o.eps, _finite(o.eps) and o.eps > 0, "finite and > 0")
-    _need("optim.weight_decay", o.weight_decay, _finite(o.weight_decay) and o.weight_decay >= 0, "finite and >= 0")
-    _need("optim.grad_clip", o.grad_clip, _finite(o.grad_clip) and o.grad_clip >= 0, "finite and >= 0 (0 disables clipping)")
-    _check_phases(o)
-    # train
-    for key in ("max_steps", "global_batch_size", "micro_batch_size"):
-        _need(f"train.{key}", getattr(t, key), getattr(t, key) > 0, "> 0")
-    if t.stop_at_step is not None:
-        _need("train.stop_at_step", t.stop_at_step, t.stop_at_step > 0, "> 0 or null")
-    _need("train.seed", t.seed, 0 <= t.seed < 2**63, "in 0..2**63-1")
-    _need("train.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 = only before the first and after the last step)")
-    _need("train.eval_batches", t.eval_batches, t.eval_batches >= 0, ">= 0 (0 = the whole validation split)")
-    _need("train.aux_loss_alpha", t.aux_loss_alpha, _finite(t.aux_loss_alpha) and t.aux_loss_alpha >= 0,
-          "finite and >= 0")
-    _check_piecewise("train.bias_update_speed", t.bias_update_speed)
-    _check_piecewise("train.mtp_loss_weight", t.mtp_loss_weight)
-    _need("train.max_skipped_steps", t.max_skipped_steps, t.max_skipped_steps >= 1, ">= 1")
-    _check_ramp(t)
-    if t.ema_decay is not None:
-        _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")
-    # parallel
-    for key in ("pp", "ep", "ranks_per_node"):
-        _need(f"parallel.{key}", getattr(p, key), getattr(p, key) >= 1, ">= 1")
-    _need("parallel.zero", p.zero, p.zero in (0, 1, 2), "0, 1 or 2")
-    _need("parallel.timeout_s", p.timeout_s, p.timeout_s > 0, "> 0 (seconds)")
-    _need("parallel.zero_bucket_mb", p.zero_bucket_mb, _finite(p.zero_bucket_mb) and p.zero_bucket_mb > 0,
-          "finite and > 0")
-    _need("parallel.ep_latency_ms", p.ep_latency_ms, _finite(p.ep_latency_ms) and p.ep_latency_ms >= 0,
-          "finite and >= 0")
-    # data, checkpoint
-    _need("data.val_fraction", d.val_fraction, 0 <= d.val_fraction < 1, "in [0, 1) (0 = no validation)")
-    _check_blend(d)
-    _need("logging.log_every", cfg.logging.log_every, cfg.logging.log_every >= 0, ">= 0 (0 = no plain lines)")
-    if cfg.logging.peak_tflops is not None:
-        _need("logging.peak_tflops", cfg.logging.peak_tflops, _finite(cfg.logging.peak_tflops) and cfg.logging.peak_tflops > 0,
-              "finite and > 0, or null")
-    _need("checkpoint.every", c.every, c.every >= 0, ">= 0 (0 = only at the end)")
-    _need("checkpoint.keep", c.keep, c.keep >= 0, ">= 0 (0 keeps all)")
-
-
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Per-key ranges, then cross-field checks; raises ``ConfigError('<key>: <what is wrong>')``. Runs before
     anything is built."""
-    cfg.model.validate("model")
-    _check_values(cfg)
-    t, p, o, d = cfg.train, cfg.parallel, cfg.optim, cfg.data
-    _one_of("train.precision", t.precision, PRECISIONS)
-    _one_of("train.device", t.device, DEVICES)
-    _one_of("parallel.schedule", p.schedule, SCHEDULES)
-    _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
-    _one_of("optim.decay", o.decay, ("cosine", "constant", "phases"))
-    _one_of("parallel.ep_dispatcher", p.ep_dispatcher, ("hierarchical", "alltoall"))
-    from parallel.dims import ParallelDims   # validates pp/ep/ranks_per_node against the world size
-    dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
-    dims.check_model(cfg.model)
-    dp = dims.dp
-    _one_of("parallel.zero_backend", p.zero_backend, ("native", "deepspeed"))
-    _one_of("optim.moment_dtype", o.moment_dtype, ("auto", "bf16", "fp32"))
-    if o.moment_dtype == "bf16" and p.zero == 0:
-        raise ConfigError("optim.moment_dtype=bf16 needs parallel.zero >= 1 (without ZeRO the optimizer is "
-                          "torch.optim.AdamW, whose moments are fp32; use auto or fp32)")
-    if p.zero_backend == "deepspeed":
-        if p.zero == 0:
-            raise ConfigError("parallel.zero_backend=deepspeed needs parallel.zero = 1 or 2")
-        if world_size < 2:
-            raise ConfigError("parallel.zero_backend=deepspeed needs >= 2 data-parallel processes (torchrun); "
-                              "in one process use parallel.zero=0 or zero_backend=native")
-        if p.pp > 1:
-            raise ConfigError(f"parallel.zero_backend=deepspeed with parallel.pp ({p.pp}): DeepSpeed's ZeRO "
-                              "optimizer does not compose with our pipeline executor; use zero_backend=native")
-        if o.moment_dtype == "bf16":
-            raise ConfigError("optim.moment_dtype=bf16 with parallel.zero_backend=deepspeed: DeepSpeed's ZeRO-1/2 "
-                              "keeps the wrapped AdamW's moments in fp32; use fp32 (or auto) or zero_backend=native")
-    if (p.pp > 1) != (p.schedule != "none"):
-        raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
-                          "(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")
+    try:
+        cfg.model.validate("model")
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
+    check_sections(cfg)
+    t, p, o = cfg.train, cfg.parallel, cfg.optim
+    from parallel.dims import validate_layout
+    validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero,
+                    zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule)
+    dp = world_size // p.pp
     from trainer.schedules import ramp_sizes
     for gbs in ramp_sizes(t):   # the ramp's sizes first: each must fit the layout as the final one does
         final = gbs == t.global_batch_size
@@ -462,8 +285,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                 raise ConfigError(f"parallel.schedule={p.schedule} with {n_micro} micro-batches per step ({key}"
                                   f"{'' if final else ' step'} {gbs} / (train.micro_batch_size x dp {dp})): {e}") from e
     if p.pp > 1:
-        from parallel.pipeline.stages import n_stages_of
-        n_stages, layout = n_stages_of(p.schedule, p.pp), p.pp_layout
+        from parallel.pipeline.schedules import get_schedule
+        n_stages, layout = get_schedule(p.schedule, p.pp).n_stages, p.pp_layout
         if layout is not None and (len(layout) != n_stages or sum(layout) != cfg.model.n_layers or min(layout) < 0):
             raise ConfigError(f"parallel.pp_layout: need {n_stages} non-negative layer counts (stages of "
                               f"{p.schedule} with pp={p.pp}) summing to model.n_layers ({cfg.model.n_layers}), "
@@ -471,13 +294,4 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     elif p.pp_layout is not None:
         raise ConfigError(f"parallel.pp_layout: set to {list(p.pp_layout)} but parallel.pp is 1 (no pipeline); "
                           "remove it or set parallel.pp and parallel.schedule")
-    if d.seq_len <= 1 or d.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len: must be in 2..model.max_seq_len ({cfg.model.max_seq_len}), got {d.seq_len}")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not os.path.isdir(os.path.expanduser(resume)):
-        raise ConfigError(f"checkpoint.resume: {resume!r} is not a directory (use auto, none or a checkpoint dir)")
-    if t.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device: 'cuda' requested but no CUDA device is available (use auto or cpu)")
     return cfg

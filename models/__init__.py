@@ -1,5 +1,5 @@
 """Single-device DeepSeek-V3 model (MLA, DeepSeekMoE with node-limited routing, MTP). No distributed code."""
-from .config import ConfigError, ModelConfig, preset
+from .config import ModelError, ModelConfig
 from .moe import MoE
 from .transformer import Block, DeepSeekV3, LossOutput, MTPModule, build
 
@@ -16,5 +16,5 @@ def to_hf(model, out_dir, **kwargs):
     return _to_hf(model, out_dir, **kwargs)
 
 
-__all__ = ["ConfigError", "ModelConfig", "preset", "MoE", "Block", "DeepSeekV3", "LossOutput", "MTPModule",
+__all__ = ["ModelError", "ModelConfig", "MoE", "Block", "DeepSeekV3", "LossOutput", "MTPModule",
            "build", "from_hf", "to_hf"]

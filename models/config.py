@@ -1,17 +1,16 @@
 """Model configuration: one dataclass whose field names follow the DeepSeek-V3 report.
 
-Presets live as YAML in ``configs/model/<name>.yaml`` (the Hydra ``model`` group); ``preset(name)``
-reads the same files, so the trainer and the tools see one set of numbers.
+Named presets are configuration, not model code: ``configs/model/<name>.yaml`` (the Hydra ``model`` group),
+read into a ``ModelConfig`` by ``configs.model_preset(name)``.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from importlib import resources
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the key (e.g. ``model.n_limited_groups``)."""
+class ModelError(ValueError):
+    """A model configuration or model file the model cannot accept. The message names the key (e.g.
+    ``model.n_limited_groups``) or the file and tensor. The entry points catch it beside ``errors.ConfigError``."""
 
 
 @dataclass
@@ -67,9 +66,9 @@ class ModelConfig:
         return layer_id >= self.first_k_dense
 
     def validate(self, prefix: str = "model") -> "ModelConfig":
-        """Raise ConfigError naming the first offending key; return self when valid."""
+        """Raise ModelError naming the first offending key; return self when valid."""
         def bad(key: str, msg: str):
-            raise ConfigError(f"{prefix}.{key}: {msg}")
+            raise ModelError(f"{prefix}.{key}: {msg}")
 
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "kv_lora_rank", "v_head_dim", "inter_dim",
                     "max_seq_len"):
@@ -112,20 +111,3 @@ class ModelConfig:
                 f"model.n_activated_experts ({self.n_activated_experts}) experts")
         return self
 
-
-def preset(name: str) -> ModelConfig:
-    """Load a named preset (``tiny``, ``v3_small``, ``v3_16b``, ``v3_671b``) from ``configs/model/``."""
-    import yaml
-
-    path = resources.files("configs") / "model" / f"{name}.yaml"
-    if not path.is_file():
-        names = sorted(p.name[:-5] for p in (resources.files("configs") / "model").iterdir()
-                       if p.name.endswith(".yaml"))
-        raise ConfigError(f"model preset {name!r} not found; known presets: {', '.join(names)}")
-    values = yaml.safe_load(path.read_text()) or {}
-    values = {k: v for k, v in values.items() if not k.startswith("_")}
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(values) - fields
-    if unknown:
-        raise ConfigError(f"{path}: unknown model keys {sorted(unknown)}")
-    return ModelConfig(**values)

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from configs.schema import BatchRamp, BlendSource, Config, LRPhase, Piecewise, check_key, validate
-from models.config import ConfigError
+from errors import ConfigError
 
 from .trainer_utils import ROOT, make_config, run_cli
 
@@ -103,7 +103,7 @@ BAD = [  # (key, value, extra keys to set) -> validate() must name key
     ("train.max_skipped_steps", 0), ("train.max_skipped_steps", -3),
     ("train.max_steps", 0), ("train.stop_at_step", 0), ("train.seed", -1), ("train.seed", 2**63),
     ("parallel.timeout_s", 0), ("parallel.timeout_s", -5),
-    ("parallel.zero_bucket_mb", NAN), ("parallel.ep_latency_ms", -1.0),
+    ("parallel.zero_bucket_mb", NAN),
     ("parallel.pp_layout", [2, 2]),                                           # pp = 1
     ("parallel.pp_layout", [3, 0], {"parallel.pp": 2, "parallel.schedule": "1f1b"}),   # 3 != n_layers 4
     ("parallel.schedule", "zb2p"),
@@ -143,7 +143,7 @@ def test_bad_values_fail_validation_naming_the_key(tiny, case):
      "train__bias_update_speed__after_tokens": 0, "train__mtp_loss_weight__value": 0.0, "train__aux_loss_alpha": 0.0},
     {"train__eval_every": 0, "train__eval_batches": 0, "train__max_skipped_steps": 1, "checkpoint__every": 0,
      "checkpoint__keep": 0, "data__val_fraction": 0.0, "train__seed": 2**63 - 1},
-    {"parallel__timeout_s": 1, "parallel__ep_latency_ms": 0.0},
+    {"parallel__timeout_s": 1},
     {"parallel__pp_layout": [1, 3]},
 ], ids=["optim-edges", "min_lr-eq-lr", "piecewise-zero", "zero-edges", "parallel-edges", "pp_layout"])
 def test_edge_values_are_accepted(tiny, values):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import models
+from configs import model_preset
 from models.moe import GroupedExperts
 from parallel.fp8 import FP8GroupedExperts, FP8Linear, apply_fp8
 
@@ -109,7 +110,7 @@ def test_fp8_grouped_experts_match_fp32_and_triton_matches_emulation():
 
 # ------------------------------------------------------------------------------------------- converter
 def tiny_model():
-    return models.build(models.preset("tiny"), device=DEV, seed=0)
+    return models.build(model_preset("tiny"), device=DEV, seed=0)
 
 
 def test_apply_fp8_swaps_by_name_and_keeps_parameters():
@@ -165,7 +166,7 @@ def train_curve(fp8: bool, steps: int, corpus, seq_len=32, batch=4, seed=0) -> t
     """Train the tiny preset under BF16 autocast (the trainer's recipe, minus logging); returns the
     per-step LM losses and the final validation loss (16 held-out sequences)."""
     from trainer.data import PackedBatches, val_batches
-    model = models.build(models.preset("tiny"), seed=seed)
+    model = models.build(model_preset("tiny"), seed=seed)
     model.train()
     if fp8:
         apply_fp8(model, backend="emulation")

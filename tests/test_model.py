@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
+from configs import model_preset
 from models import ModelConfig, build
 from models.params import count_params
 
@@ -94,7 +94,7 @@ def test_bf16_autocast_forward_backward():
 
 
 def test_v3_671b_size_on_meta():
-    model = build(models.preset("v3_671b"), "meta")
+    model = build(model_preset("v3_671b"), "meta")
     assert all(p.is_meta for p in model.parameters())
     c = count_params(model)
     assert abs(c.total - 671e9) / 671e9 < 0.005
@@ -104,7 +104,7 @@ def test_v3_671b_size_on_meta():
 
 @pytest.mark.parametrize("name,lo,hi", [("tiny", 1e6, 3e6), ("v3_small", 1e9, 3e9), ("v3_16b", 15e9, 17e9)])
 def test_presets_build_on_meta(name, lo, hi):
-    cfg = models.preset(name)
+    cfg = model_preset(name)
     c = count_params(build(cfg, "meta"))
     assert lo < c.total < hi
     if name != "tiny":
