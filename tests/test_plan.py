@@ -5,18 +5,19 @@ import pytest
 import torch
 
 import models
-from models.config import ModelConfig, preset
+from configs import model_preset
+from models.config import ModelConfig
+from models.params import flops_per_token
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.simulator import Costs, simulate
 from tools.plan import (V3_PUBLISHED, Hardware, StageCost, StageCosts, compose_config, ep_traffic, expected_distinct,
                         predict, stage_work, v3_check)
 from tools.size import model_parts, split_layers
-from trainer.metrics import flops_per_token
 
 
 @pytest.mark.parametrize("name,n_stages", [("tiny", 2), ("tiny", 4), ("v3_16b", 4)])
 def test_stage_flops_sum_to_flops_per_token(name, n_stages):
-    m = preset(name)
+    m = model_preset(name)
     model = models.build(m, "meta")
     parts, seq = model_parts(model), 256
     split = split_layers(m.n_layers, n_stages, None)
@@ -62,8 +63,7 @@ def test_ep_bytes_by_hand():
 def test_uniform_stage_costs_equal_the_simulator(name, pp):
     """With equal stages and no all-to-all the planner's costs are the simulator's own Costs."""
     sched = get_schedule(name, pp, 8)
-    n_st = 2 * pp if name == "dualpipev" else pp
-    ours = simulate(sched, StageCosts([StageCost(2.0, 2.0, 1.0, 0.0, 0.0)] * n_st, p2p=0.1, overlap=True))
+    ours = simulate(sched, StageCosts([StageCost(2.0, 2.0, 1.0, 0.0, 0.0)] * sched.n_stages, p2p=0.1, overlap=True))
     ref = simulate(sched, Costs(f=2.0, b=2.0, w=1.0, p2p=0.1))
     assert ours.makespan == pytest.approx(ref.makespan) and ours.bubble == pytest.approx(ref.bubble)
 

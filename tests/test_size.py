@@ -5,9 +5,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 import models
+from configs import model_preset
 from configs.schema import register, to_object
+from models.params import flops_per_token
 from tools.size import activation_bytes_per_token, main, plan_memory
-from trainer.metrics import flops_per_token
 
 V3_LAYOUT = ["model=v3_671b", "parallel.pp=16", "parallel.schedule=dualpipe", "parallel.ep=64",
              "parallel.ranks_per_node=8", "parallel.zero=1", "data.seq_len=4096", "train.micro_batch_size=1",
@@ -101,7 +102,7 @@ def test_flops_per_token_matches_flop_counter_on_tiny(monkeypatch):
 
     from models.moe import GroupedExperts
     monkeypatch.setattr(GroupedExperts, "_grouped_mm_ok", staticmethod(lambda x, w: False))   # per-expert mm: counted
-    cfg = models.preset("tiny")
+    cfg = model_preset("tiny")
     B, T = 2, 64
     model = models.build(cfg, "cpu", seed=0)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
@@ -118,7 +119,7 @@ def test_flops_per_token_matches_flop_counter_on_tiny(monkeypatch):
 
 def test_activation_estimate_matches_saved_tensors_on_tiny():
     """The per-token activation formula vs the bytes autograd actually saves (fp32, CPU math attention)."""
-    cfg = models.preset("tiny")
+    cfg = model_preset("tiny")
     B, T = 2, 64
     model = models.build(cfg, "cpu", seed=0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

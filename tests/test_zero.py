@@ -61,10 +61,9 @@ def test_bf16_moments_stay_close(tmp_path, single10):
 
 # ---- memory accounting ----------------------------------------------------------------------------
 def _memory_worker(rank, world):
-    from configs.schema import moment_dtype
     from parallel.dims import ParallelDims
     from parallel.ep import apply_ep
-    from parallel.zero import build_optimizer
+    from parallel.zero import build_optimizer, moment_dtype
     from tests.trainer_utils import make_config
     import models
     out = {}
@@ -73,8 +72,10 @@ def _memory_worker(rank, world):
         cfg.parallel.ep = ep   # make_config validates for one process; the layout is this world's
         dims = ParallelDims(world_size=world, rank=rank, ep=ep).build_groups()
         model = apply_ep(models.build(cfg.model, seed=0), dims)
-        rep = build_optimizer(model, cfg, dims).memory()
-        out[(zero, ep)] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params, moment_dtype(cfg),
+        p = cfg.parallel
+        rep = build_optimizer(model, cfg.optim, dims, p.zero, p.zero_backend, p.zero_bucket_mb).memory()
+        out[(zero, ep)] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params,
+                           moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend),
                            rep.line())
     measured0, formula0, n_dense, n_expert, _, _ = out[(0, 1)]
     n = n_dense + n_expert

@@ -19,7 +19,7 @@ Cost model for one micro-batch of T = micro_batch_size x seq_len tokens on stage
       Dgrad (B) and Wgrad (W) each equal the forward. Precision fp8: the layers' GEMMs run in FP8, the
       head in BF16; bf16: all BF16.
   attention core, forward = H x (d_qk + d_v) x T per token and layer (causal: T/2 keys on average),
-      backward twice that, all in B; the same sum over layers as ``trainer.metrics.flops_per_token``.
+      backward twice that, all in B; the same sum over layers as ``models.params.flops_per_token``.
   recompute (``--recompute v3``, report §3.2.2): RMSNorm and the MLA up-projections (q_b, kv_b) run
       again in B: their forward GEMM FLOPs are added to B.
   time = FLOPs / (peak x efficiency x (1 - reserved_sms / sms)) per kind (profile), SMs reserved for
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import yaml
 
-from parallel.pipeline.schedules import Kind, get_schedule
+from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Simulation, simulate
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
@@ -270,7 +270,6 @@ def action_costs(cfg, hw: Hardware, world_size: int, parts, precision: str = "fp
     T = t.micro_batch_size * cfg.data.seq_len
     works = [stage_work(m, parts, split[s], s == 0, s == n_st - 1, cfg.data.seq_len) for s in range(n_st)]
     traffic = ep_traffic(m, p.ep, p.ranks_per_node, T, p.fp8_dispatch or precision == "fp8")
-    inject = p.ep_latency_ms / 1e3
 
     def a2a(direction: str) -> float:
         if p.ep == 1:
@@ -278,7 +277,7 @@ def action_costs(cfg, hw: Hardware, world_size: int, parts, precision: str = "fp
         wire = max(traffic.inter_bytes[direction] / (hw.ib_gb_s * GB),
                    traffic.intra_bytes[direction] / (hw.nvlink_gb_s * GB))
         per_call = wire / traffic.calls + hw.a2a_latency_us * 1e-6
-        return traffic.calls * max(per_call, inject)   # injected latency is a deadline per call
+        return traffic.calls * per_call
 
     a2a_f, a2a_b = a2a("fwd"), a2a("bwd")
     costs = []
@@ -338,7 +337,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     """Predicted step of ``cfg``'s layout on ``world_size`` ranks of ``hw`` (module doc)."""
     import models
     from tools.size import model_parts, plan_memory
-    from trainer.metrics import flops_per_token
+    from models.params import flops_per_token
 
     p, t = cfg.parallel, cfg.train
     dims = _dims(cfg, world_size)
@@ -436,7 +435,7 @@ def candidates(cfg, world_size: int, rpn: int) -> list[list[str]]:
     for pp in (4, 8, 16, 32):
         if world_size % pp or m.n_layers < pp:
             continue
-        for schedule in ("1f1b", "zb1p", "dualpipe", "dualpipev"):
+        for schedule in SCHEDULES:
             for ep in (8, 16, 32, 64, 128, 256):
                 if (world_size // pp) % ep or m.n_routed_experts % ep:
                     continue

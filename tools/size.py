@@ -13,15 +13,17 @@ Arguments are Hydra overrides, as for the trainer, plus these options (anywhere 
   --recompute none|full  activation recomputation (default none)
 
 The config is composed like the trainer's, but only the model and the layout are validated
-(``ParallelDims`` + ``check_model``, the schedule, ``parallel.zero`` in 0/1/2), not whether the
-trainer implements the layout yet, so planned layouts can be sized.
+(``parallel.dims.validate_layout``: the sizes, the model against EP, the schedule, ``parallel.zero`` in
+0/1/2), not whether the trainer implements the layout yet, so planned layouts can be sized.
 
-Memory per rank (bytes); P_d = dense parameters of the stages on the rank (replicated over dp),
-P_e = their routed-expert parameters / ep (each expert-parallel rank holds E/ep experts per layer):
+Memory per rank (bytes): the optimizer's own formula (``parallel/zero/memory.py``) over P_d = dense
+parameters of the stages on the rank (replicated over dp) and P_e = their routed-expert parameters / ep
+(each expert-parallel rank holds E/ep experts per layer):
   recipe v3 (DeepSeek-V3): BF16 compute weights 2 (P_d + P_e); FP32 gradients 4 (P_d + P_e);
       optimizer: FP32 master weights + BF16 AdamW moments = 4 + 2 + 2 = 8 (P_d + P_e)
-  recipe trainer (this trainer today, fp32 or bf16 autocast): FP32 weights 4, FP32 gradients 4,
-      FP32 AdamW moments 8 (the weights are the master copy)
+  recipe trainer (this trainer, fp32 or bf16 autocast): FP32 weights 4, FP32 gradients 4; optimizer: AdamW
+      moments in ``optim.moment_dtype`` (without ZeRO fp32, 8, the weights being the master copy; under
+      ZeRO an FP32 master shard too: 4 + 2 + 2 with the default BF16 moments)
   ZeRO-1 divides the optimizer state: P_d's by dp, P_e's by edp = dp/ep (the replicas of an expert
   shard); ZeRO-2 divides the gradients the same way.
 Pipeline stages: layers split by ``parallel.pipeline.stages.layer_split`` (``parallel.pp_layout`` or
@@ -42,7 +44,7 @@ Activations (saved for backward, per token; a = 2 bytes for bf16 activations, 4 
   MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
 A stage's activations per micro-batch are micro_batch_size x seq_len tokens times the sum over its
 layers (+ the head and MTP on the last stage). The peak per rank walks the schedule's action list
-through ``parallel.pipeline.simulator`` (an activation lives from its F to the end of its backward),
+through ``parallel.pipeline.simulator.peak_live`` (an activation lives from its F to the end of its backward),
 weighting each live activation by its stage's size; without a pipeline one micro-batch is live.
 ``--recompute full`` keeps only each layer's input (D*a per token) per micro-batch in flight, plus once
 the largest piece recomputed at a time (one layer, or the head and MTP on the last stage).
@@ -59,16 +61,21 @@ from hydra import compose, initialize_config_module
 
 import models
 from configs.schema import Config, register, to_object
-from models.config import ConfigError, ModelConfig
+from errors import ConfigError
+from models.config import ModelConfig, ModelError
 from models.moe import GroupedExperts
-from models.params import count_params
+from models.params import count_params, flops_per_token
+from parallel.dims import ParallelDims, validate_layout
+from parallel.pipeline.schedules import Schedule, get_schedule
+from parallel.pipeline.simulator import Costs, peak_live, simulate
+from parallel.zero import MOMENT_DTYPES, moment_dtype
+from parallel.zero.memory import formula
 
 GB = 1e9
-RECIPES = {  # bytes per parameter: (weights, gradients, optimizer state)
-    "v3": (2, 4, 8),
-    "trainer": (4, 4, 8),
+RECIPES = {  # bytes per (weight, AdamW moment); None: the trainer's moment dtype (recipe_bytes)
+    "v3": (2, 2),
+    "trainer": (4, None),
 }
-SCHEDULES = ("none", "1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
 # ---- activations -----------------------------------------------------------------------------------
@@ -118,18 +125,13 @@ def model_parts(model) -> Parts:
                  model.head.weight.numel() + model.norm.weight.numel(), *mtp)
 
 
-def stages_of_rank(schedule: str, pp: int, pp_rank: int) -> list[int]:
-    if pp == 1:
-        return [0]
-    from parallel.pipeline.stages import stage_ids
-    return sorted(set(stage_ids(schedule, pp, pp_rank).values()))
+def stages_of_rank(schedule: Schedule | None, pp_rank: int) -> list[int]:
+    """Stages on pipeline rank ``pp_rank`` of ``schedule`` (None: no pipeline, the one stage)."""
+    return [0] if schedule is None else sorted(set(schedule.stages_of(pp_rank).values()))
 
 
 def n_stages(schedule: str, pp: int) -> int:
-    if pp == 1:
-        return 1
-    from parallel.pipeline.stages import n_stages_of
-    return n_stages_of(schedule, pp)
+    return 1 if pp == 1 else get_schedule(schedule, pp).n_stages
 
 
 def split_layers(n_layers: int, stages: int, layout: list[int] | None) -> list[range]:
@@ -186,169 +188,104 @@ class Plan:
         return max(self.ranks, key=lambda r: r.total)
 
 
-def check_layout(cfg: Config, world_size: int):
-    """Validate the model and the layout only (not whether the trainer implements it yet)."""
-    from parallel.dims import ParallelDims
-
-    cfg.model.validate("model")
+def check_layout(cfg: Config, world_size: int) -> ParallelDims:
+    """Validate the model and the layout only (not whether the trainer implements it yet); the layout's
+    sizes, without process groups."""
+    try:
+        cfg.model.validate("model")
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
     p = cfg.parallel
-    if p.zero not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {p.zero}")
-    if p.schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule: {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if (p.pp > 1) != (p.schedule != "none"):
-        raise ConfigError(f"parallel.schedule ({p.schedule}) with parallel.pp ({p.pp}): pp > 1 needs a schedule "
-                          f"(1f1b, zb1p, dualpipe, dualpipev) and pp = 1 needs schedule=none")
-    dims = ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
-    dims.check_model(cfg.model)
-    return dims
+    validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero, schedule=p.schedule)
+    return ParallelDims(world_size=world_size, pp=p.pp, ep=p.ep, ranks_per_node=p.ranks_per_node)
 
 
-def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", recompute: str = "none",
-                model=None) -> Plan:
-    """Per-pipeline-rank memory of ``cfg``'s layout on ``world_size`` ranks (default pp x ep)."""
-    p, t, m = cfg.parallel, cfg.train, cfg.model
-    world_size = world_size or p.pp * p.ep
-    dims = check_layout(cfg, world_size)
+def recipe_bytes(cfg: Config, recipe: str) -> tuple[int, int]:
+    """(bytes per weight, per AdamW moment) under ``recipe``: v3 is DeepSeek-V3's BF16 weights and moments,
+    trainer this trainer's fp32 weights and the moment dtype ``optim.moment_dtype`` resolves to."""
     if recipe not in RECIPES:
         raise ConfigError(f"--recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
-    model = model if model is not None else models.build(m, "meta")
-    parts = model_parts(model)
-    w_b, g_b, o_b = RECIPES[recipe]
-    a = 2 if recipe == "v3" or t.precision != "fp32" else 4
-    n_st = n_stages(p.schedule, p.pp)
-    split = split_layers(m.n_layers, n_st, getattr(p, "pp_layout", None))
-    per_tok = activation_bytes_per_token(m, a)
-    tokens = t.micro_batch_size * cfg.data.seq_len
-    notes = []
+    weight, moment = RECIPES[recipe]
+    if moment is None:
+        p = cfg.parallel
+        moment = MOMENT_DTYPES[moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend)].itemsize
+    return weight, moment
 
-    def stage_act(s: int) -> tuple[float, float]:
-        """(saved per micro-batch, working set recomputed at once) of stage s, in bytes."""
-        layer_bytes = [per_tok["moe_layer" if m.is_moe_layer(i) else "dense_layer"] for i in split[s]]
-        ends = per_tok["head"] + m.mtp_depth * per_tok["mtp"] if s == n_st - 1 else 0
-        if recompute == "full":   # keep each layer's input; recompute one layer (or the head + MTP) at a time
-            return len(layer_bytes) * m.dim * a * tokens, max(layer_bytes + [ends]) * tokens
-        return (sum(layer_bytes) + ends) * tokens, 0.0
 
-    # Micro-batches per step and the schedule's activations in flight.
-    n_micro = max(1, t.global_batch_size // (t.micro_batch_size * dims.dp))
-    sim = None
+def _pipeline(p, n_micro: int, notes: list[str]):
+    """(micro-batches, the schedule, its simulation at unit costs), or (n_micro, None, None) without a pipeline."""
+    sim = schedule = None
     if p.pp > 1:
-        from parallel.pipeline.schedules import get_schedule
-        from parallel.pipeline.simulator import Costs, simulate
         try:
             schedule = get_schedule(p.schedule, p.pp, n_micro)
         except ValueError as e:
-            want = 2 * p.pp if p.schedule in ("dualpipe", "dualpipev") else p.pp
-            notes.append(f"{e}; sized with {want} micro-batches (set train.global_batch_size for the real count)")
-            n_micro = want
-            schedule = get_schedule(p.schedule, p.pp, n_micro)
+            schedule = get_schedule(p.schedule, p.pp)   # the fewest micro-batches it accepts
+            n_micro = schedule.n_microbatches
+            notes.append(f"{e}; sized with {n_micro} micro-batches (set train.global_batch_size for the real count)")
         sim = simulate(schedule, Costs(f=1.0, b=1.0, w=1.0))
+    return n_micro, schedule, sim
 
+
+def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int,
+                      recompute: str) -> list[tuple[float, float]]:
+    """Per stage: (bytes saved per micro-batch, working set recomputed at once)."""
+    per_tok = activation_bytes_per_token(m, a)
+    out = []
+    for s, layers in enumerate(split):
+        layer_bytes = [per_tok["moe_layer" if m.is_moe_layer(i) else "dense_layer"] for i in layers]
+        ends = per_tok["head"] + m.mtp_depth * per_tok["mtp"] if s == len(split) - 1 else 0
+        if recompute == "full":   # keep each layer's input; recompute one layer (or the head + MTP) at a time
+            out.append((len(layer_bytes) * m.dim * a * tokens, max(layer_bytes + [ends]) * tokens))
+        else:
+            out.append(((sum(layer_bytes) + ends) * tokens, 0.0))
+    return out
+
+
+def rank_params(parts: Parts, split: list[range], held: list[int], mtp_depth: int) -> tuple[int, int, list[str]]:
+    """(dense, routed-expert parameters of all E experts, notes) of the stages ``held`` by one rank."""
+    layers = [i for s in held for i in split[s]]
+    dense = sum(parts.layer_dense[i] for i in layers)
+    expert = sum(parts.layer_expert[i] for i in layers)
+    notes = []
+    if 0 in held:
+        dense += parts.embed
+    if len(split) - 1 in held:
+        dense += parts.head + parts.mtp_dense
+        expert += parts.mtp_expert
+        if mtp_depth and 0 not in held:
+            dense += parts.embed
+            notes.append("tied embedding copy for MTP")
+    return dense, expert, notes
+
+
+def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", recompute: str = "none",
+                model=None, dims: ParallelDims | None = None) -> Plan:
+    """Per-pipeline-rank memory of ``cfg``'s layout on ``world_size`` ranks (default pp x ep); ``dims``: a
+    layout already validated (the trainer's own) in place of ``world_size``."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    dims = dims or check_layout(cfg, world_size or p.pp * p.ep)
+    w_b, m_b = recipe_bytes(cfg, recipe)
+    parts = model_parts(model if model is not None else models.build(m, "meta"))
+    a = 2 if recipe == "v3" or t.precision != "fp32" else 4
+    notes = []
+    n_micro, schedule, sim = _pipeline(p, max(1, t.global_batch_size // (t.micro_batch_size * dims.dp)), notes)
+    split = split_layers(m.n_layers, n_stages(p.schedule, p.pp), p.pp_layout)
+    tokens = t.micro_batch_size * cfg.data.seq_len
+    acts = stage_activations(m, split, a, tokens, recompute)
     ranks = []
     for r in range(p.pp):
-        held = stages_of_rank(p.schedule, p.pp, r)
-        layers = [i for s in held for i in split[s]]
-        dense = sum(parts.layer_dense[i] for i in layers)
-        expert = sum(parts.layer_expert[i] for i in layers)
-        rnotes = []
-        if 0 in held:
-            dense += parts.embed
-        if n_st - 1 in held:
-            dense += parts.head + parts.mtp_dense
-            expert += parts.mtp_expert
-            if m.mtp_depth and 0 not in held:
-                dense += parts.embed
-                rnotes.append("tied embedding copy for MTP")
+        held = stages_of_rank(schedule, r)
+        dense, expert, rnotes = rank_params(parts, split, held, m.mtp_depth)
         expert //= p.ep
-        opt_div_d, opt_div_e = (dims.dp, dims.edp) if p.zero >= 1 else (1, 1)
-        grad_div_d, grad_div_e = (dims.dp, dims.edp) if p.zero >= 2 else (1, 1)
-        acts = {s: stage_act(s)[0] for s in held}
-        working = max(stage_act(s)[1] for s in held)
-        if sim is None:
-            peak = acts[0]
-        else:
-            live = top = 0.0
-            for span in sim.spans[r]:
-                if not span.action.is_compute:
-                    continue
-                for part in span.action.parts():
-                    if part.kind.name == "F":
-                        live += acts[part.stage]
-                top = max(top, live)
-                for part in span.action.parts():
-                    if part.kind.name in ("B", "BW"):
-                        live -= acts[part.stage]
-            peak = top
-        peak += working
+        state = formula(dense, expert, dims.dp, dims.edp, p.zero, m_b, w_b)
+        saved, working = {s: acts[s][0] for s in held}, max(acts[s][1] for s in held)
+        peak = saved[0] if sim is None else peak_live(sim.spans[r], saved.__getitem__)
         ranks.append(RankMemory(
-            pp_rank=r, stages=held, layers=layers, params_dense=dense, params_expert=expert,
-            weights=w_b * (dense + expert), grads=g_b * (dense / grad_div_d + expert / grad_div_e),
-            optim=o_b * (dense / opt_div_d + expert / opt_div_e), act_microbatch=max(acts.values()) + working,
-            act_peak=peak, notes=rnotes))
-    return Plan(world_size, p.pp, dims.dp, p.ep, dims.edp, p.schedule, p.zero, recipe, recompute, a, tokens,
+            pp_rank=r, stages=held, layers=[i for s in held for i in split[s]], params_dense=dense,
+            params_expert=expert, weights=state["params"], grads=state["grads"], optim=state["master"] + state["optim"],
+            act_microbatch=max(saved.values()) + working, act_peak=peak + working, notes=rnotes))
+    return Plan(dims.world_size, p.pp, dims.dp, p.ep, dims.edp, p.schedule, p.zero, recipe, recompute, a, tokens,
                 n_micro, ranks, notes, sim.max_bubble / sim.makespan if sim else None)
-
-
-# ---- pre-flight (the trainer, before it builds anything) ---------------------------------------------
-LIMIT_ENV = "DSV3_MEMORY_LIMIT_GB"   # overrides the free memory a rank may use (tests; shared hosts)
-HEADROOM = 0.1
-
-
-def memory_limit(device) -> tuple[float, str]:
-    """(bytes one rank may use, where that came from): free device memory on CUDA; on CPU the host's
-    MemAvailable shared by the ranks on this host (LOCAL_WORLD_SIZE); ``HEADROOM`` kept free."""
-    import os
-    if os.environ.get(LIMIT_ENV):
-        return float(os.environ[LIMIT_ENV]) * GB, f"${LIMIT_ENV}"
-    if getattr(device, "type", "cpu") == "cuda":
-        import torch
-        free, _ = torch.cuda.mem_get_info(device)
-        return free * (1 - HEADROOM), f"free memory of {device} less {100 * HEADROOM:.0f}%"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return avail * (1 - HEADROOM) / local, (f"host MemAvailable {avail / GB:.1f} GB less {100 * HEADROOM:.0f}%"
-                                            + (f", shared by {local} local ranks" if local > 1 else ""))
-
-
-def preflight(cfg: Config, world_size: int, device) -> str:
-    """Stop (``ConfigError``, one line) when the worst rank's estimate under the trainer's recipe (weights,
-    gradients, optimizer state, activations at the schedule's peak) exceeds ``memory_limit``; else the line
-    to log. The same ``plan_memory`` as ``python -m tools.size --recipe trainer``."""
-    need = plan_memory(cfg, world_size, "trainer").worst
-    limit, where = memory_limit(device)
-    what = (f"~{need.total / GB:.2f} GB per rank (weights {need.weights / GB:.2f}, grads {need.grads / GB:.2f}, "
-            f"optimizer {need.optim / GB:.2f}, activations {need.act_peak / GB:.2f}; tools.size --recipe trainer)")
-    if need.total <= limit:
-        return f"memory: {what}; {limit / GB:.1f} GB available ({where})"
-    raise ConfigError(f"memory: this run needs {what} but {limit / GB:.1f} GB are available ({where}); "
-                      f"{_fits_with(cfg, world_size, limit)}")
-
-
-def _fits_with(cfg: Config, world_size: int, limit: float) -> str:
-    """The first changes (one key each) under which the estimate fits, or how far off it is."""
-    import copy
-    p, t = cfg.parallel, cfg.train
-    tries = []
-    if world_size // p.pp > 1 and p.zero < 2:
-        tries.append(("parallel.zero", 2, lambda c: setattr(c.parallel, "zero", 2)))
-    if t.micro_batch_size > 1:
-        tries.append(("train.micro_batch_size", 1, lambda c: setattr(c.train, "micro_batch_size", 1)))
-    fits = []
-    for key, value, change in tries:
-        c = copy.deepcopy(cfg)
-        change(c)
-        try:
-            if plan_memory(c, world_size, "trainer").worst.total <= limit:
-                fits.append(f"{key}={value}")
-        except ConfigError:
-            continue
-    if fits:
-        return "it fits with " + " or ".join(fits)
-    total = plan_memory(cfg, world_size, "trainer").worst.total
-    return (f"spread it over about {total / limit:.0f}x more ranks (parallel.ep, parallel.pp, with parallel.zero=1 "
-            f"or 2), or pick a smaller model; python -m tools.size --recipe trainer <overrides> --world-size N sizes a layout")
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------
@@ -365,8 +302,11 @@ def _ranges(ids: list[int]) -> str:
 
 def report(cfg: Config, plan: Plan, flops, gpu_mem_gb: float, headroom: float) -> list[str]:
     m = cfg.model
-    w_b, g_b, o_b = RECIPES[plan.recipe]
-    per_stage = "2 stages/rank" if plan.schedule in ("dualpipe", "dualpipev") else "1 stage/rank"
+    weight, moment = recipe_bytes(cfg, plan.recipe)
+    per = formula(1, 0, 1, 1, plan.zero, moment, weight)   # bytes per parameter, unsharded
+    w_b, g_b, o_b = per["params"], per["grads"], per["master"] + per["optim"]
+    chunks = len(get_schedule(plan.schedule, plan.pp).stages_of(0)) if plan.pp > 1 else 1
+    per_stage = f"{chunks} stage{'s' if chunks > 1 else ''}/rank"
     zero = {0: "no ZeRO", 1: "ZeRO-1 (optimizer / dp, experts' / edp)", 2: "ZeRO-2 (optimizer and grads / dp, "
             "experts' / edp)"}[plan.zero]
     lines = [
@@ -420,13 +360,12 @@ def main(argv: list[str]) -> int:
     try:
         with initialize_config_module("configs", version_base=None):
             cfg = to_object(compose("config", overrides=overrides))
-        check_layout(cfg, args.world_size or cfg.parallel.pp * cfg.parallel.ep)   # fail fast, before the build
+        dims = check_layout(cfg, args.world_size or cfg.parallel.pp * cfg.parallel.ep)   # fail fast, before the build
         model = models.build(cfg.model, "meta")
-        plan = plan_memory(cfg, args.world_size, args.recipe, args.recompute, model=model)
+        plan = plan_memory(cfg, recipe=args.recipe, recompute=args.recompute, model=model, dims=dims)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from trainer.metrics import flops_per_token
     c = count_params(model)
     rows = [
         ("total (no MTP)", c.total),

@@ -89,19 +89,32 @@ class Replicated:
         return account(self.model, self.dims, zero=0, moment_bytes=4, measured=measured)
 
 
-def build_optimizer(model: nn.Module, cfg, dims: ParallelDims, grad_weight: Callable[[str], float] | None = None):
-    """``cfg`` is the whole typed ``Config``; ``grad_weight(name)`` (1 / holders) counts a tensor held by
-    several pipeline ranks (DualPipe replicas, tied embeddings) once in the global gradient norm."""
-    from configs.schema import moment_dtype
-    p = cfg.parallel
-    if p.zero == 0:
-        return Replicated(model, cfg.optim, dims, grad_weight)
-    if p.zero_backend == "deepspeed":
+MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # optim.moment_dtype's values, ``auto`` resolved
+
+
+def moment_dtype(setting: str, zero: int, backend: str = "native") -> str:
+    """The AdamW moment dtype ``optim.moment_dtype`` resolves to: ``auto`` is bf16 under the native ZeRO
+    optimizer (DeepSeek-V3's recipe) and fp32 otherwise (torch.optim.AdamW; DeepSpeed's optimizer)."""
+    if setting != "auto":
+        return setting
+    return "bf16" if zero >= 1 and backend == "native" else "fp32"
+
+
+def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, backend: str = "native",
+                    bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None):
+    """``optim``: the AdamW settings (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``, ``grad_clip``,
+    ``moment_dtype``: the config's ``optim`` section); ``zero``, ``backend``, ``bucket_mb``: ``parallel.zero``,
+    ``parallel.zero_backend``, ``parallel.zero_bucket_mb``. ``grad_weight(name)`` (1 / holders) counts a tensor
+    held by several pipeline ranks (DualPipe replicas, tied embeddings) once in the global gradient norm."""
+    if zero == 0:
+        return Replicated(model, optim, dims, grad_weight)
+    if backend == "deepspeed":
         from .deepspeed_backend import DeepSpeedZero
-        return DeepSpeedZero(model, cfg.optim, dims, stage=p.zero, bucket_mb=p.zero_bucket_mb)
+        return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb)
     from .native import ZeroOptimizer
-    return ZeroOptimizer(model, cfg.optim, dims, stage=p.zero, moment_dtype=moment_dtype(cfg),
-                         bucket_mb=p.zero_bucket_mb, grad_weight=grad_weight)
+    return ZeroOptimizer(model, optim, dims, stage=zero, moment_dtype=moment_dtype(optim.moment_dtype, zero, backend),
+                         bucket_mb=bucket_mb, grad_weight=grad_weight)
 
 
-__all__ = ["build_optimizer", "NonFiniteGradients", "Replicated", "MemoryReport", "account"]
+__all__ = ["build_optimizer", "moment_dtype", "MOMENT_DTYPES", "NonFiniteGradients", "Replicated", "MemoryReport",
+           "account"]

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.config import ConfigError
+from errors import ConfigError
 
-from ..dims import ParallelDims
+from ..dims import ParallelDims, validate_layout
 from ..ep import is_expert_param
 from ..state_dict import to_global, to_local
 from . import NonFiniteGradients
@@ -71,15 +71,11 @@ def _import_deepspeed():
 
 class DeepSpeedZero:
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, stage: int = 1, bucket_mb: float = 32.0):
-        if stage not in (1, 2):
-            raise ValueError(f"parallel.zero ({stage}): the deepspeed backend supports ZeRO stages 1 and 2")
-        if dims.pp > 1:
-            raise ConfigError(f"parallel.pp ({dims.pp}): parallel.zero_backend=deepspeed does not compose with the "
-                             "pipeline executor; use parallel.zero_backend=native")
-        if dims.world_size < 2 or not dist.is_initialized():
-            raise ConfigError("parallel.zero_backend=deepspeed needs torch.distributed with a data-parallel size >= 2 "
-                             "(launch with torchrun --nproc_per_node >= 2); for one process use "
-                             "parallel.zero_backend=native or parallel.zero=0")
+        validate_layout(dims.world_size, dims.pp, dims.ep, dims.ranks_per_node, zero=stage, zero_backend="deepspeed")
+        if not dist.is_initialized():
+            raise ConfigError("parallel.zero_backend=deepspeed needs torch.distributed (launch with torchrun "
+                              "--nproc_per_node >= 2); for one process use parallel.zero_backend=native or "
+                              "parallel.zero=0")
         deepspeed = _import_deepspeed()
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
         from deepspeed.utils.timer import NoopTimer

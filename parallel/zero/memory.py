@@ -5,14 +5,16 @@ EP), data-parallel size ``dp`` and expert-data-parallel size ``edp = dp / ep``, 
 ``S = P_d / dp + P_e / edp``::
 
                  zero=0            zero=1            zero=2
-    parameters   4 (P_d + P_e)     4 (P_d + P_e)     4 (P_d + P_e)      fp32 model weights
+    parameters   w (P_d + P_e)     w (P_d + P_e)     w (P_d + P_e)      model weights, w bytes each
     gradients    4 (P_d + P_e)     4 (P_d + P_e)     4 S                fp32 accumulation (zero=2: the shard)
-    master       0                 4 S               4 S                fp32 master shard (zero=0: the weights)
-    optimizer    8 (P_d + P_e)     2 m S             2 m S              AdamW exp_avg + exp_avg_sq, m bytes each
+    master       M                 4 S               4 S                fp32 master copy
+    optimizer    2 m (P_d + P_e)   2 m S             2 m S              AdamW exp_avg + exp_avg_sq, m bytes each
 
-``m`` is 2 for BF16 moments and 4 for FP32. Measured numbers count the tensors the optimizer really
-allocated (shards are padded to equal size, so they can exceed the formula by a few elements per
-parameter); zero=2 frees each bucket's full gradients after its reduce-scatter, so ``gradients`` is what
+``m`` is 2 for BF16 moments and 4 for FP32. ``w`` is 4 in this trainer (fp32 weights, also the master
+copy without ZeRO: ``M = 0``) and 2 for DeepSeek-V3's BF16 compute weights (``tools.size --recipe v3``:
+``M = 4 (P_d + P_e)``). Measured numbers count the tensors the optimizer really allocated (shards are
+padded to equal size, so they can exceed the formula by a few elements per parameter); zero=2 frees
+each bucket's full gradients after its reduce-scatter, so ``gradients`` is what
 persists across micro-batches (a bucket in flight comes on top).
 """
 from __future__ import annotations
@@ -45,12 +47,14 @@ class MemoryReport:
                 f"[{self.dense_params:,} dense + {self.expert_params:,} expert parameters here]")
 
 
-def formula(dense: int, expert: int, dims: ParallelDims, zero: int, moment_bytes: int) -> dict[str, int]:
+def formula(dense: float, expert: float, dp: int, edp: int, zero: int, moment_bytes: int,
+            weight_bytes: int = 4) -> dict[str, int]:
+    """The table above, in bytes per rank."""
     full = dense + expert
-    shard = dense / dims.dp + expert / dims.edp
-    return {"params": 4 * full,
+    shard = dense / dp + expert / edp
+    return {"params": round(weight_bytes * full),
             "grads": round(4 * (shard if zero >= 2 else full)),
-            "master": round(4 * shard) if zero >= 1 else 0,
+            "master": round(4 * (shard if zero >= 1 else 0 if weight_bytes == 4 else full)),
             "optim": round(2 * moment_bytes * (shard if zero >= 1 else full))}
 
 
@@ -58,4 +62,5 @@ def account(model: nn.Module, dims: ParallelDims, zero: int, moment_bytes: int, 
     expert = is_expert_param(model)
     n_dense = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and not expert[n])
     n_expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and expert[n])
-    return MemoryReport(measured, formula(n_dense, n_expert, dims, zero, moment_bytes), n_dense, n_expert)
+    return MemoryReport(measured, formula(n_dense, n_expert, dims.dp, dims.edp, zero, moment_bytes),
+                        n_dense, n_expert)

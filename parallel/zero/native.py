@@ -44,9 +44,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..data_parallel import all_finite
 from ..dims import ParallelDims
 from ..ep import is_expert_param
+from . import MOMENT_DTYPES
 from .memory import MemoryReport, account
-
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def chunk_range(n: int, k: int, i: int) -> tuple[int, int]:
@@ -108,7 +107,7 @@ class ZeroOptimizer:
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
         self.model, self.dims, self.stage = model, dims, stage
-        self.moment_dtype = _DTYPES[moment_dtype]
+        self.moment_dtype = MOMENT_DTYPES[moment_dtype]
         self.lr, self.betas, self.eps = optim_cfg.lr, (optim_cfg.beta1, optim_cfg.beta2), optim_cfg.eps
         self.n_steps = 0
         self._armed = False
