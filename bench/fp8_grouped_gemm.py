@@ -39,6 +39,63 @@ def _rowmax(s: torch.Tensor, n: int) -> torch.Tensor:
     return s.amax(-1).repeat_interleave(128, dim=-1)[..., :n].contiguous()
 
 
+def _cases(tq, ref, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, tpe: torch.Tensor, offs: torch.Tensor,
+           pow2: bool, cfg: dict | None) -> dict:
+    """Per pass: (Triton FP8, ``kernels.reference``, ``torch._grouped_mm`` BF16, ``torch._scaled_grouped_mm``)
+    callables on inputs ``x [R,K]``, weights ``w [E,N,K]`` and output gradient ``dy [R,N]``, quantized here."""
+    E, N, K = w.shape
+    xq, xs = tq.quant_act(x, pow2)
+    wq, ws, wq_t = tq.quant_weight(w, pow2, transpose=True)
+    dyq, dys = tq.quant_act(dy, pow2)
+    dyt, dyts = tq.quant_act_t(dy, tpe, pow2)
+    xt, xts = tq.quant_act_t(x, tpe, pow2)
+    wt = w.transpose(1, 2)
+    # torch's FP8 grouped GEMM takes row-wise scales only (per row of each operand): other numerics than
+    # the block scales, so it is a speed reference; its scales are the row maxima of ours.
+    rs = {"fprop": (xs.amax(1).contiguous(), _rowmax(ws, N)), "dgrad": (dys.amax(1).contiguous(), _rowmax(ws.mT, K)),
+          "wgrad": (dyts.amax(1).repeat(E).contiguous(), xts.amax(1).repeat(E).contiguous())}
+    return {
+        "fprop": (lambda: tq.grouped_gemm(xq, xs, wq, ws, tpe, config=cfg),
+                  lambda: ref.grouped_gemm(xq, xs, wq, ws, tpe),
+                  lambda: torch._grouped_mm(x, wt, offs=offs),
+                  lambda: torch._scaled_grouped_mm(xq, wq.transpose(1, 2), *rs["fprop"], offs=offs,
+                                                   out_dtype=torch.bfloat16)),
+        "dgrad": (lambda: tq.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe, config=cfg),
+                  lambda: ref.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe),
+                  lambda: torch._grouped_mm(dy, w, offs=offs),
+                  lambda: torch._scaled_grouped_mm(dyq, wq_t.transpose(1, 2), *rs["dgrad"], offs=offs,
+                                                   out_dtype=torch.bfloat16)),
+        "wgrad": (lambda: tq.grouped_wgrad(dyt, dyts, xt, xts, tpe, config=cfg),
+                  lambda: ref.grouped_wgrad(dyt, dyts, xt, xts, tpe),
+                  lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+                  lambda: torch._scaled_grouped_mm(dyt, xt.t(), *rs["wgrad"], offs=offs,
+                                                   out_dtype=torch.bfloat16)),
+    }
+
+
+def _measure_case(row: dict, fn, ref_fn, bf16_fn, scaled_fn) -> dict:
+    """``row`` (with ``flop``) completed by one pass: its error against the reference, then the three timings
+    and what follows from them."""
+    flop = row["flop"]
+    try:
+        row["err"] = rel_err(fn(), ref_fn())
+    except Exception as e:      # noqa: BLE001 - a kernel that does not run is a failed row
+        return row | {"err": None, "ok": False, "ms": None, "note": common.first_line(e)}
+    row["ok"] = row["err"] <= ERR_TOL
+    row["ms"], why = try_time(fn)
+    row["bf16_ms"], why_bf16 = try_time(bf16_fn)
+    row["scaled_ms"], why_scaled = try_time(scaled_fn)
+    for key, ms in (("tflops", row["ms"]), ("bf16_tflops", row["bf16_ms"]),
+                    ("scaled_tflops", row["scaled_ms"])):
+        row[key] = None if ms is None else flop / ms / 1e9
+    row["vs_bf16"] = None if row["ms"] is None or row["bf16_ms"] is None else row["bf16_ms"] / row["ms"]
+    row["vs_scaled"] = (None if row["ms"] is None or row["scaled_ms"] is None
+                        else row["scaled_ms"] / row["ms"])
+    row["note"] = "; ".join(n for n in (why, why_bf16 and f"_grouped_mm: {why_bf16}",
+                                        why_scaled and f"_scaled_grouped_mm: {why_scaled}") if n)
+    return row
+
+
 def measure(experts_list, tokens: int = 32768, dim: int = 7168, inter: int = 2048, pow2: bool = False,
             config: dict | None = None, deadline: float | None = None, seed: int = 0) -> list[dict]:
     """One row per (E, up/down, pass) with ``ms`` (Triton FP8), ``bf16_ms`` (``torch._grouped_mm``),
@@ -47,7 +104,6 @@ def measure(experts_list, tokens: int = 32768, dim: int = 7168, inter: int = 204
     from kernels import get_ops
     from kernels import reference as ref
     tq = get_ops("triton")
-    cfg = config
     rows = []
     R = tokens
     for E in experts_list:
@@ -62,55 +118,11 @@ def measure(experts_list, tokens: int = 32768, dim: int = 7168, inter: int = 204
             x = torch.randn(R, K, device=common.DEVICE, dtype=torch.bfloat16)
             w = torch.randn(E, N, K, device=common.DEVICE, dtype=torch.bfloat16) * 0.02
             dy = torch.randn(R, N, device=common.DEVICE, dtype=torch.bfloat16)
-            xq, xs = tq.quant_act(x, pow2)
-            wq, ws, wq_t = tq.quant_weight(w, pow2, transpose=True)
-            dyq, dys = tq.quant_act(dy, pow2)
-            dyt, dyts = tq.quant_act_t(dy, tpe, pow2)
-            xt, xts = tq.quant_act_t(x, tpe, pow2)
+            cases = _cases(tq, ref, x, w, dy, tpe, offs, pow2, config)
             flop = 2.0 * R * N * K
-            wt = w.transpose(1, 2)
-            # torch's FP8 grouped GEMM takes row-wise scales only (per row of each operand): other numerics than
-            # the block scales, so it is a speed reference; its scales are the row maxima of ours.
-            rs = {"fprop": (xs.amax(1).contiguous(), _rowmax(ws, N)), "dgrad": (dys.amax(1).contiguous(), _rowmax(ws.mT, K)),
-                  "wgrad": (dyts.amax(1).repeat(E).contiguous(), xts.amax(1).repeat(E).contiguous())}
-            cases = {
-                "fprop": (lambda: tq.grouped_gemm(xq, xs, wq, ws, tpe, config=cfg),
-                          lambda: ref.grouped_gemm(xq, xs, wq, ws, tpe),
-                          lambda: torch._grouped_mm(x, wt, offs=offs),
-                          lambda: torch._scaled_grouped_mm(xq, wq.transpose(1, 2), *rs["fprop"], offs=offs,
-                                                           out_dtype=torch.bfloat16)),
-                "dgrad": (lambda: tq.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe, config=cfg),
-                          lambda: ref.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe),
-                          lambda: torch._grouped_mm(dy, w, offs=offs),
-                          lambda: torch._scaled_grouped_mm(dyq, wq_t.transpose(1, 2), *rs["dgrad"], offs=offs,
-                                                           out_dtype=torch.bfloat16)),
-                "wgrad": (lambda: tq.grouped_wgrad(dyt, dyts, xt, xts, tpe, config=cfg),
-                          lambda: ref.grouped_wgrad(dyt, dyts, xt, xts, tpe),
-                          lambda: torch._grouped_mm(dy.t(), x, offs=offs),
-                          lambda: torch._scaled_grouped_mm(dyt, xt.t(), *rs["wgrad"], offs=offs,
-                                                           out_dtype=torch.bfloat16)),
-            }
-            for name, (fn, ref_fn, bf16_fn, scaled_fn) in cases.items():
-                row = base | {"pass": name, "skipped": False, "flop": flop}
-                try:
-                    row["err"] = rel_err(fn(), ref_fn())
-                except Exception as e:      # noqa: BLE001 - a kernel that does not run is a failed row
-                    rows.append(row | {"err": None, "ok": False, "ms": None, "note": common.first_line(e)})
-                    continue
-                row["ok"] = row["err"] <= ERR_TOL
-                row["ms"], why = try_time(fn)
-                row["bf16_ms"], why_bf16 = try_time(bf16_fn)
-                row["scaled_ms"], why_scaled = try_time(scaled_fn)
-                for key, ms in (("tflops", row["ms"]), ("bf16_tflops", row["bf16_ms"]),
-                                ("scaled_tflops", row["scaled_ms"])):
-                    row[key] = None if ms is None else flop / ms / 1e9
-                row["vs_bf16"] = None if row["ms"] is None or row["bf16_ms"] is None else row["bf16_ms"] / row["ms"]
-                row["vs_scaled"] = (None if row["ms"] is None or row["scaled_ms"] is None
-                                    else row["scaled_ms"] / row["ms"])
-                row["note"] = "; ".join(n for n in (why, why_bf16 and f"_grouped_mm: {why_bf16}",
-                                                    why_scaled and f"_scaled_grouped_mm: {why_scaled}") if n)
-                rows.append(row)
-            del x, w, dy, xq, wq, wq_t, dyq, dyt, xt, cases, rs
+            rows += [_measure_case(base | {"pass": name, "skipped": False, "flop": flop}, *fns)
+                     for name, fns in cases.items()]
+            del x, w, dy, cases
     return rows
 
 

@@ -103,7 +103,8 @@ def synthetic_checkpoint(out: Path, *, experts: int = 64, dim: int = 512, moe_in
                          vocab: int = 1024, n_files: int = 3, fp8: bool = False) -> None:
     """An HF checkpoint of a model whose routed experts dominate (fp32, or FP8 linears)."""
     from models import ModelConfig, build
-    from models.hf import config_to_hf, hf_state_dict
+    from models.hf import hf_state_dict
+    from models.hf_config import config_to_hf
 
     cfg = ModelConfig(vocab_size=vocab, dim=dim, n_layers=layers, first_k_dense=0, inter_dim=2 * dim, n_heads=4,
                       q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,

@@ -22,7 +22,7 @@ Training step (``measure_step``): ``models.build`` of the preset with fewer laye
 for FP8, BF16 autocast for both (as ``trainer/train.py`` does), AdamW through ``parallel.zero.Replicated``
 (the trainer's single-device optimizer), clip 1.0, expert-bias update; random tokens. Warm-up steps first
 (Triton compiles there), then the median of timed steps. MFU = tokens/s × FLOPs per token
-(``trainer.metrics.flops_per_token``) / peak (989 TFLOP/s dense BF16 for the H100, for FP8 too).
+(``models.params.flops_per_token``) / peak (989 TFLOP/s dense BF16 for the H100, for FP8 too).
 No Hydra here: this half imports only models/, parallel/, kernels/ and trainer/metrics.py.
 """
 from __future__ import annotations
@@ -166,8 +166,8 @@ OPTIM = types.SimpleNamespace(lr=4.2e-4, weight_decay=0.1, beta1=0.9, beta2=0.95
 
 def reduced_config(preset: str = "v3_small", layers: int = 4):
     """The model preset with ``n_layers`` reduced (first_k_dense and MTP kept)."""
-    import models
-    cfg = models.preset(preset)
+    from configs import model_preset
+    cfg = model_preset(preset)
     return dataclasses.replace(cfg, n_layers=layers)
 
 
@@ -184,9 +184,9 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     import torch
 
     import models
+    from models.params import flops_per_token
     from parallel.dims import ParallelDims
-    from parallel.zero import Replicated
-    from trainer.metrics import flops_per_token
+    from parallel.zero import build_optimizer
 
     dev = torch.device(device)
     torch.manual_seed(seed)
@@ -197,7 +197,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     elif precision != "bf16":
         raise ValueError(f"precision {precision!r}: bf16 or fp8")
     model.train()
-    opt = Replicated(model, OPTIM, ParallelDims(world_size=1), None)
+    opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1))
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
@@ -212,6 +212,23 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
                 moe.update_bias(moe.tokens_per_expert.clone(), 1e-3)
                 moe.tokens_per_expert.zero_()
         return float(out.loss.detach())
+
+    times, loss = _timed_steps(step, dev, warmup, iters)
+    step_s = statistics.median(times)
+    tokens = batch * seq
+    fpt = flops_per_token(cfg, seq).per_token
+    tps = tokens / step_s
+    peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    del model, opt, ids, inputs, labels
+    return {"precision": precision, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
+            "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
+            "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss)}
+
+
+def _timed_steps(step, dev, warmup: int, iters: int) -> tuple[list[float], float]:
+    """Run ``step`` ``warmup`` times, reset CUDA's peak memory, then time ``iters`` more runs (each waits for
+    the device); -> (seconds of each timed run, the last run's return value)."""
+    import torch
 
     def sync():
         if dev.type == "cuda":
@@ -228,15 +245,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
         loss = step()
         sync()
         times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
-    tokens = batch * seq
-    fpt = flops_per_token(cfg, seq).per_token
-    tps = tokens / step_s
-    peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
-    del model, opt, ids, inputs, labels
-    return {"precision": precision, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
-            "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
-            "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss)}
+    return times, loss
 
 
 def measure_step_fitting(cfg, precision: str, batch: int, seq: int, device: str = "cuda", min_batch: int = 1,

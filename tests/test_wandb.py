@@ -17,8 +17,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from configs.schema import register, to_object
-from trainer.metrics import MetricsLogger, panel_name, simulated_bubble
+from trainer.metrics import MetricsLogger, simulated_bubble
 from trainer.wandb_log import offline_run_finished, read_offline_run
+from trainer.wandb_panels import panel_name
 
 from .trainer_utils import ROOT, read_jsonl
 

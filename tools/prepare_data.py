@@ -35,9 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.config import ConfigError
-from trainer.data import (_BUILDERS, _atomic_write, _encode, _eos_id, _files_fingerprint, _iter_docs, _load_sources,
-                          _resolve_source, _user_tokenizer)
+from errors import ConfigError
+from trainer.data import (_BUILDERS, _atomic_write, _files_fingerprint, _iter_docs, _load_sources, _resolve_source,
+                          use_offline_hub)
+from trainer.tokenizer import _encode, _eos_id, _user_tokenizer
 from trainer.tokens import FORMAT, FORMAT_VERSION, MANIFEST, open_tokens, token_dtype, write_shard
 
 _COMPRESSED = {f"{ext}.gz": ext for ext in (".jsonl", ".json", ".txt")}
@@ -363,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "when done)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    use_offline_hub()
     try:
         if not args.tokenizer:
             raise ConfigError("--tokenizer: required (a HF tokenizer directory or tokenizer.json; token shards "

@@ -3,9 +3,10 @@
 ``load_corpus`` turns ``data_cfg`` (path / tokenizer / text_field / val_fraction / cache_dir) into two flat
 int32 token streams (documents joined by EOS). Everything runs offline: with ``data.path`` unset the corpus is
 the English help text that ships with CPython (``pydoc_data.topics``), and with ``data.tokenizer`` unset a
-byte-level BPE is trained on the training documents. Tokenizer and token arrays are cached in
-``data.cache_dir`` under a key that hashes the inputs (file stats / content, tokenizer bytes, vocab size,
-split settings), so a second call only reads two ``.npy`` files.
+byte-level BPE is trained on the training documents (``trainer.tokenizer``). Tokenizer and token arrays are
+cached in ``data.cache_dir`` under a key that hashes the inputs (file stats / content, tokenizer bytes, vocab
+size, split settings), so a second call only reads two ``.npy`` files. ``datasets`` and the Hugging Face Hub
+stay offline unless ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` say otherwise (``use_offline_hub``).
 
 ``PackedBatches`` cuts a stream into non-overlapping windows of ``seq_len + 1`` tokens and walks a per-epoch
 permutation of them; its only state is ``consumed_samples``.
@@ -19,18 +20,15 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from models.config import ConfigError
+from errors import ConfigError
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-EOS = "<|endoftext|>"
-_EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+from .tokenizer import _encode, _eos_id, _train_bpe, _user_tokenizer, _wrap_tokenizer
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _CACHE_VERSION = "data-v1"
 _BATCH_DOCS = 1024
@@ -193,75 +191,63 @@ def _is_val_mask(n_docs: int, val_fraction: float) -> np.ndarray:
     return mask
 
 
-def _wrap_tokenizer(tok_file: str):
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_file=tok_file, eos_token=EOS, clean_up_tokenization_spaces=False)
+def _train_docs(sources, is_val: np.ndarray):
+    """Batches of the training documents (``is_val`` marks the validation ones)."""
+    i = 0
+    for batch in _iter_docs(sources):
+        keep = ~is_val[i:i + len(batch)]
+        i += len(batch)
+        yield [d for d, k in zip(batch, keep) if k]
 
 
-def _train_bpe(sources, is_val, vocab_size: int, out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-
-    def train_docs():
-        i = 0
-        for batch in _iter_docs(sources):
-            keep = ~is_val[i:i + len(batch)]
-            i += len(batch)
-            yield [d for d, k in zip(batch, keep) if k]
-    tok.train_from_iterator(train_docs(), trainer=trainer)
-    _atomic_write(out, lambda f: f.write(tok.to_str().encode()))
+def _load_docs(data_cfg, kind, files, text_field: str, val_fraction: float, cache_dir: Path):
+    """-> (sources, validation mask over their documents); at least one document per split asked for."""
+    sources = _load_sources(kind, files, text_field, cache_dir)
+    n_docs = sum(len(b) for b in _iter_docs(sources))
+    need = 1 if val_fraction == 0 else 2
+    if n_docs < need:
+        raise ConfigError(f"data.path: {data_cfg.path or 'default corpus'} holds {n_docs} non-empty "
+                          f"document(s); need at least {need} ({'one' if need == 1 else 'one train, one validation'}"
+                          "; .txt documents are split at blank lines)")
+    return sources, _is_val_mask(n_docs, val_fraction)
 
 
-def _user_tokenizer(path: str):
-    """-> (tokenizer, identity hash) for a local HF tokenizer dir or a tokenizer.json file."""
-    p = Path(os.path.expanduser(path))
-    if not p.exists():
-        raise ConfigError(f"data.tokenizer: {path} does not exist (use a local HF tokenizer directory or a "
-                          f"tokenizer.json file, or leave it unset to train a BPE on the corpus)")
-    h = hashlib.sha256()   # identity = bytes of the (small) files; stats only for big ones such as weights
-    for f in [f for f in (sorted(p.iterdir()) if p.is_dir() else [p]) if f.is_file()]:
-        st = f.stat()
-        h.update(f.name.encode() + (f.read_bytes() if st.st_size < 64 << 20 else b"%d %d" % (st.st_size, st.st_mtime_ns)))
-    try:
-        if p.is_dir():
-            from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        else:
-            from transformers import PreTrainedTokenizerFast
-            tok = PreTrainedTokenizerFast(tokenizer_file=str(p), clean_up_tokenization_spaces=False)
-    except Exception as e:  # noqa: BLE001 - report any loader failure against the key
-        raise ConfigError(f"data.tokenizer: cannot load {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from e
-    return tok, h.hexdigest()
+def _tokenizer(tok_name, vocab_size: int, cache_dir: Path, corpus_key: str, docs):
+    """-> (tokenizer, identity hash, description): ``data.tokenizer``, or a byte-level BPE trained on the
+    training documents (``docs()``) and cached."""
+    if tok_name is None:
+        if vocab_size < 257:
+            raise ConfigError(f"model.vocab_size: {vocab_size} is too small for a byte-level BPE (needs >= 257)")
+        tok_file = cache_dir / f"tokenizer-{_sha(corpus_key, vocab_size, 'bytelevel-bpe')}.json"
+        if not tok_file.exists():
+            text = _train_bpe(_train_docs(*docs()), vocab_size)
+            _atomic_write(tok_file, lambda f: f.write(text.encode()))
+        tokenizer, tok_id = _wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
+        return tokenizer, tok_id, f"byte-level BPE trained on this corpus ({tok_file})"
+    return *_user_tokenizer(str(tok_name)), str(tok_name)
 
 
-def _eos_id(tok, name) -> int:
-    """The tokenizer's EOS id; a bare tokenizer.json gets its eos_token set from well-known names."""
-    if tok.eos_token_id is not None:
-        return int(tok.eos_token_id)
-    found = [c for c in _EOS_CANDIDATES if c in tok.get_vocab()]
-    if found:
-        tok.eos_token = found[0]
-        return int(tok.convert_tokens_to_ids(found[0]))
-    if getattr(tok, "sep_token_id", None) is not None:  # BERT-style tokenizers
-        return int(tok.sep_token_id)
-    raise ConfigError(f"data.tokenizer: {name} defines no EOS token (tried eos_token, {', '.join(_EOS_CANDIDATES)})")
+def _tokenize(tokenizer, eos_id: int, sources, is_val) -> dict[str, np.ndarray]:
+    """Token stream per split: each document's ids followed by ``eos_id``."""
+    parts, i = {"train": [], "val": []}, 0
+    for batch in _iter_docs(sources):
+        for ids, v in zip(_encode(tokenizer, batch), is_val[i:i + len(batch)]):
+            parts["val" if v else "train"].append(np.asarray(list(ids) + [eos_id], dtype=np.int32))
+        i += len(batch)
+    return {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, np.int32) for s in parts}
 
 
-def _encode(tok, texts):
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
-    return tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+def use_offline_hub() -> None:
+    """``datasets`` and the Hugging Face Hub offline (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` = 1) unless the
+    environment sets them. Both libraries read them when first imported: call this before (``load_corpus`` does)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 # -------------------------------------------------------------------------------------------- public API
 def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     """Load, split (by document), tokenize and cache ``data_cfg``'s corpus; see the module docstring."""
+    use_offline_hub()
     text_field = getattr(data_cfg, "text_field", "text") or "text"
     val_fraction = float(getattr(data_cfg, "val_fraction", 0.05))
     if not 0.0 <= val_fraction < 1.0:
@@ -270,33 +256,10 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     cache_dir.mkdir(parents=True, exist_ok=True)
     kind, files, fingerprint = _resolve_source(getattr(data_cfg, "path", None))
     corpus_key = _sha(_CACHE_VERSION, kind, fingerprint, text_field if kind != "default" else None, val_fraction)
-    sources = is_val = None
-
-    def load_docs():
-        nonlocal sources, is_val
-        if sources is None:
-            sources = _load_sources(kind, files, text_field, cache_dir)
-            n_docs = sum(len(b) for b in _iter_docs(sources))
-            need = 1 if val_fraction == 0 else 2
-            if n_docs < need:
-                raise ConfigError(f"data.path: {data_cfg.path or 'default corpus'} holds {n_docs} non-empty "
-                                  f"document(s); need at least {need} ({'one' if need == 1 else 'one train, one validation'}"
-                                  "; .txt documents are split at blank lines)")
-            is_val = _is_val_mask(n_docs, val_fraction)
+    docs = cache(lambda: _load_docs(data_cfg, kind, files, text_field, val_fraction, cache_dir))   # read if needed
 
     tok_name = getattr(data_cfg, "tokenizer", None)
-    if tok_name is None:
-        if vocab_size < 257:
-            raise ConfigError(f"model.vocab_size: {vocab_size} is too small for a byte-level BPE (needs >= 257)")
-        tok_file = cache_dir / f"tokenizer-{_sha(corpus_key, vocab_size, 'bytelevel-bpe')}.json"
-        if not tok_file.exists():
-            load_docs()
-            _train_bpe(sources, is_val, vocab_size, tok_file)
-        tokenizer, tok_id = _wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
-        tok_source = f"byte-level BPE trained on this corpus ({tok_file})"
-    else:
-        tokenizer, tok_id = _user_tokenizer(str(tok_name))
-        tok_source = str(tok_name)
+    tokenizer, tok_id, tok_source = _tokenizer(tok_name, vocab_size, cache_dir, corpus_key, docs)
     if len(tokenizer) > vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer vocab ({len(tokenizer)}) exceeds model.vocab_size "
                           f"({vocab_size}); raise model.vocab_size")
@@ -307,13 +270,7 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     meta = cache_dir / f"tokens-{key}.json"
     cache_hit = meta.exists() and all(p.exists() for p in paths.values())
     if not cache_hit:
-        load_docs()
-        parts, i = {"train": [], "val": []}, 0
-        for batch in _iter_docs(sources):
-            for ids, v in zip(_encode(tokenizer, batch), is_val[i:i + len(batch)]):
-                parts["val" if v else "train"].append(np.asarray(list(ids) + [eos_id], dtype=np.int32))
-            i += len(batch)
-        arrays = {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, np.int32) for s in parts}
+        arrays = _tokenize(tokenizer, eos_id, *docs())
         for split, p in paths.items():
             _atomic_write(p, lambda f, a=arrays[split]: np.save(f, a))
         info = {"train_tokens": len(arrays["train"]), "val_tokens": len(arrays["val"]), "eos_id": eos_id,

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 import models
 from configs.schema import Config
-from models.config import ConfigError
+from errors import ConfigError
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
@@ -65,8 +65,7 @@ class Trainer:
         init = cfg.checkpoint.init_from
         self._hf_init = init is not None and self._resume_path is None and (Path(init).expanduser() / "config.json").is_file()
         self.model = apply_ep(models.build(cfg.model, device="meta" if self._hf_init else self.device, seed=t.seed), self.dims,
-                              dispatcher=cfg.parallel.ep_dispatcher, latency_s=cfg.parallel.ep_latency_ms / 1e3,
-                              fp8_dispatch=cfg.parallel.fp8_dispatch)
+                              dispatcher=cfg.parallel.ep_dispatcher, fp8_dispatch=cfg.parallel.fp8_dispatch)
         if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
             from parallel.fp8 import apply_fp8
             apply_fp8(self.model)
@@ -84,7 +83,8 @@ class Trainer:
                 self.notes.append(f"checkpoint.init_from={cfg.checkpoint.init_from} not applied: resuming from "
                                   f"{self._resume_path} (the run it started has a checkpoint)")
         # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
-        self.opt = build_optimizer(self.model, cfg, self.dims, self.pipe.grad_weight if self.pipe else None)
+        self.opt = build_optimizer(self.model, cfg.optim, self.dims, cfg.parallel.zero, cfg.parallel.zero_backend,
+                                   cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
         self.ema = ParamEMA(self.model, t.ema_decay) if t.ema_decay else None   # from the weights as they are now
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
@@ -144,11 +144,11 @@ class Trainer:
         return lines
 
     def _preflight(self) -> str:
-        """tools.size.preflight on every rank, one verdict for all: free memory differs per GPU, and a rank
+        """trainer.preflight on every rank, one verdict for all: free memory differs per GPU, and a rank
         that stopped alone would leave the others waiting for it at the next collective."""
-        from tools.size import preflight
+        from .preflight import preflight
         try:
-            note, error = preflight(self.cfg, self.dims.world_size, self.device), None
+            note, error = preflight(self.cfg, self.dims, self.device), None
         except ConfigError as e:
             note, error = "", e
         if self.dims.world_size > 1:

@@ -1,6 +1,6 @@
 """Reading a W&B offline run back without network: the ``run-<id>.wandb`` transaction log parsed with
-wandb's own protobuf records (wandb has no Python reader of its own). ``MetricsLogger.close`` uses
-``_wait_for_transaction_log``: ``wandb.finish()`` returns before the service has written the log out."""
+wandb's own protobuf records (wandb has no Python reader of its own). ``trainer.wandb_panels`` closes a run
+with ``wait_for_transaction_log``: ``wandb.finish()`` returns before the service has written the log out."""
 from __future__ import annotations
 
 import json
@@ -59,7 +59,7 @@ def _log_finished(log: Path) -> bool:
         return False
 
 
-def _wait_for_transaction_log(log: Path, timeout_s: float) -> bool:
+def wait_for_transaction_log(log: Path, timeout_s: float) -> bool:
     """Wait until W&B's service has written ``log`` out to its exit record (True), or ``timeout_s`` passed.
 
     ``wandb.finish()`` returns once the service has handled the exit record, but the transaction log is

@@ -1,0 +1,73 @@
+"""The corpus tokenizer: ``data.tokenizer`` (a local HF tokenizer directory or a tokenizer.json file) or a
+byte-level BPE trained on the training documents (``trainer.data`` caches it); its EOS id; batch encoding."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from errors import ConfigError
+
+EOS = "<|endoftext|>"
+_EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+
+
+def _wrap_tokenizer(tok_file: str):
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(tokenizer_file=tok_file, eos_token=EOS, clean_up_tokenization_spaces=False)
+
+
+def _train_bpe(doc_batches, vocab_size: int) -> str:
+    """A byte-level BPE with ``EOS`` as its special token, trained on ``doc_batches`` (lists of documents);
+    -> its tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(doc_batches, trainer=trainer)
+    return tok.to_str()
+
+
+def _user_tokenizer(path: str):
+    """-> (tokenizer, identity hash) for a local HF tokenizer dir or a tokenizer.json file."""
+    p = Path(os.path.expanduser(path))
+    if not p.exists():
+        raise ConfigError(f"data.tokenizer: {path} does not exist (use a local HF tokenizer directory or a "
+                          f"tokenizer.json file, or leave it unset to train a BPE on the corpus)")
+    h = hashlib.sha256()   # identity = bytes of the (small) files; stats only for big ones such as weights
+    for f in [f for f in (sorted(p.iterdir()) if p.is_dir() else [p]) if f.is_file()]:
+        st = f.stat()
+        h.update(f.name.encode() + (f.read_bytes() if st.st_size < 64 << 20 else b"%d %d" % (st.st_size, st.st_mtime_ns)))
+    try:
+        if p.is_dir():
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        else:
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(p), clean_up_tokenization_spaces=False)
+    except Exception as e:  # noqa: BLE001 - report any loader failure against the key
+        raise ConfigError(f"data.tokenizer: cannot load {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from e
+    return tok, h.hexdigest()
+
+
+def _eos_id(tok, name) -> int:
+    """The tokenizer's EOS id; a bare tokenizer.json gets its eos_token set from well-known names."""
+    if tok.eos_token_id is not None:
+        return int(tok.eos_token_id)
+    found = [c for c in _EOS_CANDIDATES if c in tok.get_vocab()]
+    if found:
+        tok.eos_token = found[0]
+        return int(tok.convert_tokens_to_ids(found[0]))
+    if getattr(tok, "sep_token_id", None) is not None:  # BERT-style tokenizers
+        return int(tok.sep_token_id)
+    raise ConfigError(f"data.tokenizer: {name} defines no EOS token (tried eos_token, {', '.join(_EOS_CANDIDATES)})")
+
+
+def _encode(tok, texts):
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
