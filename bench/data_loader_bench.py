@@ -28,12 +28,9 @@ VOCAB, EOS = 1024, 0
 CHILD = r"""
 import json, resource, sys, time
 t0 = float(sys.argv[1])
-from hydra import compose, initialize_config_module
-from configs.schema import register, to_object, validate
+from configs.schema import compose, validate
 from trainer.train import Trainer
-register()
-with initialize_config_module("configs", version_base=None):
-    cfg = validate(to_object(compose("config", overrides=sys.argv[3:])))
+cfg = validate(compose(sys.argv[3:]))
 tr = Trainer(cfg, sys.argv[2])
 built = time.time() - t0
 def rss(key="VmRSS:"):

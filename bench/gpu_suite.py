@@ -24,7 +24,8 @@ Parts (``--parts kernels,quant,gemm,grouped,trainer,step``; default all, in this
            tokens/s, MFU vs 989 TFLOP/s, peak memory.                   target: FP8 step faster than BF16
 Timing: CUDA events via ``triton.testing.do_bench`` (median, L2 flushed before each call), fresh random
 inputs per shape, every kernel checked against ``kernels/reference.py`` before it is timed, every baseline
-in the same run. Parts (b) import no Hydra/omegaconf/datasets/wandb.
+in the same run. Parts (b) import no Hydra/omegaconf/datasets/wandb. The parts are in
+``bench/gpu_suite_parts.py``; targets, marks and budgets in ``bench/gpu_suite_ctx.py``.
 
 Options: ``--quick`` (fewer shapes, ~5 min), ``--deadline-s N`` (parts not started within N s are listed
 as not run; measuring loops stop at their part's budget), ``--append`` (keep the other parts of an earlier
@@ -42,68 +43,20 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.util
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench import suite_report as rep
-from bench.suite_report import Mark, Part, Table, min_mark
-
-ROOT = Path(__file__).resolve().parents[1]
-PART_KEYS = ("kernels", "quant", "gemm", "grouped", "trainer", "step")
-KERNEL_TESTS = ("tests/test_fp8_kernels.py", "tests/test_fp8_linear.py", "tests/test_hopper_gate.py")
-
-# Thresholds of the issue's targets (H100, baselines measured in the same run).
-DENSE_MIN = 1.40      # dense FP8 GEMM vs torch BF16 at large shapes
-GROUPED_MIN = 1.20    # grouped FP8 forward vs torch._grouped_mm BF16
-QUANT_MIN = 0.80      # quantisation GB/s vs a device-to-device copy
-STEP_MIN = 1.00       # FP8 step time < BF16 step time (speed-up > 1)
-QUANT_TARGET_KERNELS = ("act 1x128", "act 128x1 (T)", "weight 128x128")
-QUANT_TARGET_ELEMS = 1 << 25   # target judged on tensors of >= 32 Mi elements (64 MiB in BF16, past the 50 MB L2)
-
-TITLES = {
-    "kernels": "(a) Kernel tests compiled on the GPU",
-    "quant": "(b) FP8 quantisation vs device copy",
-    "gemm": "(b) Dense blockwise FP8 GEMM vs torch BF16 / _scaled_mm",
-    "grouped": "(b) Grouped FP8 GEMM (routed experts) vs torch._grouped_mm / _scaled_grouped_mm",
-    "trainer": "(c) Tiny trainer end to end: CUDA bf16 / fp8 vs CPU fp32",
-    "step": "(d) One training step of v3_small (4 layers), bf16 vs fp8",
-}
-# Part budgets in seconds (full, quick): measuring loops stop there; subprocesses are killed there.
-BUDGETS = {"kernels": (240, 180), "quant": (90, 45), "gemm": (200, 100), "grouped": (120, 60),
-           "trainer": (300, 240), "step": (180, 120)}
-
-
-def declared_marks(key: str) -> list[Mark]:
-    """The marks a part reports, unmeasured (what a report shows for a part that did not run)."""
-    if key == "kernels":
-        return [Mark("kernel tests pass compiled on the GPU", "0 failed, 0 errors", kind="check")]
-    if key == "quant":
-        return [Mark(f"quantisation {k} vs device copy", f">= {QUANT_MIN:.2f} of copy GB/s")
-                for k in QUANT_TARGET_KERNELS] + [Mark("quantisers bit-exact vs reference", "all", kind="check")]
-    if key == "gemm":
-        return [Mark(f"dense FP8 GEMM {lay} vs torch BF16, large shapes", f">= {DENSE_MIN:.2f}x")
-                for lay in ("fprop", "dgrad", "wgrad")] + [Mark("dense FP8 GEMM matches reference",
-                                                                "rel. err <= 1e-2 everywhere", kind="check")]
-    if key == "grouped":
-        return [Mark("grouped FP8 GEMM fwd vs torch._grouped_mm BF16", f">= {GROUPED_MIN:.2f}x"),
-                Mark("grouped FP8 GEMM matches reference", "rel. err <= 1e-2 everywhere", kind="check")]
-    if key == "trainer":
-        return [Mark(f"tiny {r} losses vs CPU fp32", "within tolerance", kind="check")
-                for r in ("cuda fp32", "cuda bf16", "cuda fp8")]
-    if key == "step":
-        return [Mark("FP8 training step faster than BF16", f"> {STEP_MIN:.2f}x"),
-                Mark("training step losses finite", "bf16 and fp8", kind="check")]
-    raise KeyError(key)
+from bench.gpu_suite_ctx import PART_KEYS, ROOT, TITLES, Ctx, declared_marks, run_cmd
+from bench.gpu_suite_parts import part_gemm, part_grouped, part_kernels, part_quant, part_step, part_trainer
+from bench.suite_report import Part
 
 
 def parse_parts(text: str | None) -> list[str]:
@@ -142,36 +95,7 @@ def refusal() -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------- context
-@dataclass
-class Ctx:
-    args: argparse.Namespace
-    tmp: Path
-    start: float
-    deadline: float | None
-
-    @property
-    def quick(self) -> bool:
-        return self.args.quick
-
-    @property
-    def smoke(self) -> bool:
-        return self.args.smoke_cpu
-
-    def part_deadline(self, key: str) -> float:
-        full, quick = BUDGETS[key]
-        end = time.monotonic() + (quick if self.quick else full)
-        return end if self.deadline is None else min(end, self.deadline)
-
-
-def _run(cmd: list[str], env: dict | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _tail(text: str, n: int = 30) -> str:
-    return "\n".join((text or "").strip().splitlines()[-n:])
-
-
+# ---------------------------------------------------------------------------------------------- metadata
 def device_meta(args: argparse.Namespace, argv: list[str]) -> dict:
     import torch
     meta = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -190,8 +114,8 @@ def device_meta(args: argparse.Namespace, argv: list[str]) -> dict:
     else:
         meta["device_line"] = f"CPU only ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     try:
-        smi = _run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"],
-                   timeout=20)
+        smi = run_cmd(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"],
+                      timeout=20)
         fields = [f.strip() for f in smi.stdout.strip().splitlines()[0].split(",")] if smi.returncode == 0 \
             and smi.stdout.strip() else []
         meta["driver"] = (fields[0] + (f" (max SM clock {fields[1]}, power limit {fields[2]})" if len(fields) > 2
@@ -200,8 +124,8 @@ def device_meta(args: argparse.Namespace, argv: list[str]) -> dict:
         meta["driver"] = "n/a (no nvidia-smi)"
     meta["fingerprint"] = source_fingerprint()
     try:
-        head = _run(["git", "rev-parse", "--short", "HEAD"], timeout=20)
-        dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], timeout=20)
+        head = run_cmd(["git", "rev-parse", "--short", "HEAD"], timeout=20)
+        dirty = run_cmd(["git", "status", "--porcelain", "--untracked-files=no"], timeout=20)
         meta["commit"] = (head.stdout.strip() + (" (+ local changes)" if dirty.stdout.strip() else "")) \
             if head.returncode == 0 else "n/a (no git checkout)"
     except (OSError, subprocess.SubprocessError):
@@ -220,301 +144,6 @@ def source_fingerprint(dirs=("kernels", "parallel", "models", "trainer", "config
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:12]
-
-
-# ---------------------------------------------------------------------------------------------- (a) kernels
-def junit_counts(xml_path: str | Path) -> dict:
-    """Totals of a pytest JUnit XML: tests, passed, failures, errors, skipped, and the failed test ids."""
-    import xml.etree.ElementTree as ET
-    root = ET.parse(xml_path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    c["passed"] = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
-    c["failed_ids"] = [f"{tc.get('classname', '')}::{tc.get('name', '')}" for tc in root.iter("testcase")
-                       if tc.find("failure") is not None or tc.find("error") is not None]
-    return c
-
-
-def part_kernels(ctx: Ctx, part: Part) -> None:
-    files = [f for f in KERNEL_TESTS if (ROOT / f).exists()]
-    missing = [f for f in KERNEL_TESTS if f not in files]
-    if missing:
-        part.notes.append(f"not in this checkout (not run): {', '.join(missing)}")
-    if not files:
-        part.status, part.headline = "skipped", "no kernel test files"
-        return
-    xml = ctx.tmp / "kernels.xml"
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-    if importlib.util.find_spec("xdist") is not None and not ctx.smoke:
-        cmd += ["-n", "4"]
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        cmd += ["--timeout=150"]        # one hung test fails alone instead of eating the part's budget
-    budget = max(30.0, ctx.part_deadline("kernels") - time.monotonic())
-    part.notes.append(f"command: `{shlex.join(['python', *cmd[1:]]).replace(str(ctx.tmp), '$TMP')}` "
-                      f"(timeout {budget:.0f} s)")
-    from bench.train_check import env_with_path
-    try:
-        proc = _run(cmd, env=env_with_path(None), timeout=budget)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = None, (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
-        part.error = f"pytest timed out after {budget:.0f} s"
-    part.log = _tail(out, 40)
-    if not xml.exists():
-        part.error = part.error or f"pytest exit code {rc}, no JUnit XML"
-        part.marks = [Mark(declared_marks("kernels")[0].name, "0 failed, 0 errors", f"exit code {rc}", False, "check")]
-        part.headline = f"pytest exit {rc}"
-        return
-    c = junit_counts(xml)
-    part.tables.append(Table(["tests", "passed", "failed", "errors", "skipped", "exit code"],
-                             [[c["tests"], c["passed"], c["failures"], c["errors"], c["skipped"], rc]]))
-    if c["failed_ids"]:
-        part.notes.append("failed: " + ", ".join(f"`{t}`" for t in c["failed_ids"][:30]) +
-                          (f" (+{len(c['failed_ids']) - 30} more)" if len(c["failed_ids"]) > 30 else ""))
-    ok = rc == 0 and c["failures"] == 0 and c["errors"] == 0 and c["passed"] > 0
-    part.marks = [Mark("kernel tests pass compiled on the GPU", "0 failed, 0 errors",
-                       f"{c['passed']} passed, {c['failures']} failed, {c['errors']} errors, {c['skipped']} skipped",
-                       ok, "check")]
-    part.headline = f"{c['passed']} passed, {c['failures']} failed, {c['errors']} errors, {c['skipped']} skipped"
-
-
-# ---------------------------------------------------------------------------------------------- (b) benches
-def quant_shapes(ctx: Ctx) -> list[tuple[int, int]]:
-    if ctx.smoke:
-        return [(256, 384)]
-    if ctx.quick:
-        return [(4096, 7168), (16384, 2048), (16384, 7168)]
-    return [(r, c) for r in (4096, 16384) for c in (2048, 7168, 16384)]
-
-
-def dense_shapes(ctx: Ctx) -> list[tuple[int, int, int]]:
-    if ctx.smoke:
-        return [(256, 256, 384)]
-    if ctx.quick:
-        return [(4096, 2048, 7168), (4096, 7168, 2048), (4096, 7168, 7168), (16384, 7168, 7168),
-                (16384, 16384, 7168), (16384, 7168, 16384)]
-    return [(m, n, k) for m in (4096, 16384) for n in (2048, 7168, 16384) for k in (2048, 7168, 16384)]
-
-
-def is_large(M: int, N: int, K: int) -> bool:
-    """The shapes the dense target is judged on."""
-    return M >= 8192 and N >= 7168 and K >= 7168
-
-
-def part_quant(ctx: Ctx, part: Part) -> None:
-    from bench import fp8_quant
-    rows = fp8_quant.measure(quant_shapes(ctx), deadline=ctx.part_deadline("quant"))
-    part.tables.append(Table(fp8_quant.HEADERS, fp8_quant.table_rows(rows)))
-    done = [r for r in rows if not r.get("skipped")]
-    big = [r for r in done if ctx.smoke or r["R"] * r["C"] >= QUANT_TARGET_ELEMS]
-    part.marks = [min_mark(f"quantisation {k} vs device copy", f">= {QUANT_MIN:.2f} of copy GB/s", QUANT_MIN,
-                           [(r["shape"], r.get("of_copy")) for r in big if r["kernel"] == k], unit="")
-                  for k in QUANT_TARGET_KERNELS]
-    n_exact = sum(bool(r.get("exact")) for r in done)
-    part.marks.append(Mark("quantisers bit-exact vs reference", "all", f"{n_exact} of {len(done)}",
-                           bool(done) and n_exact == len(done), "check"))
-    part.notes += [f"GB/s = (BF16 bytes read + E4M3 bytes and FP32 scales written) / median time; copy = "
-                   f"`dst.copy_(src)` of the same BF16 tensor, bytes read + written. Targets judged on tensors of "
-                   f">= {QUANT_TARGET_ELEMS // 2**20} Mi elements."]
-    copies = [r["copy_gbs"] for r in done if r.get("copy_gbs")]
-    part.headline = (f"copy {statistics.median(copies):.0f} GB/s; of copy (min): " if copies else "") + ", ".join(
-        f"{k} {m.got.split(' ')[0]}" for k, m in zip(QUANT_TARGET_KERNELS, part.marks) if m.met is not None)
-    _skipped_note(part, rows)
-
-
-def part_gemm(ctx: Ctx, part: Part) -> None:
-    from bench import fp8_gemm
-    rows = fp8_gemm.measure(dense_shapes(ctx), deadline=ctx.part_deadline("gemm"))
-    part.tables.append(Table(fp8_gemm.HEADERS, fp8_gemm.table_rows(rows)))
-    done = [r for r in rows if not r.get("skipped")]
-    large = [r for r in done if ctx.smoke or is_large(r["M"], r["N"], r["K"])]
-    part.marks = [min_mark(f"dense FP8 GEMM {lay} vs torch BF16, large shapes", f">= {DENSE_MIN:.2f}x", DENSE_MIN,
-                           [(r["shape"], r.get("vs_bf16")) for r in large if r["layout"] == lay])
-                  for lay in fp8_gemm.LAYOUTS]
-    n_ok = sum(bool(r.get("ok")) for r in done)
-    part.marks.append(Mark("dense FP8 GEMM matches reference", "rel. err <= 1e-2 everywhere",
-                           f"{n_ok} of {len(done)}", bool(done) and n_ok == len(done), "check"))
-    kinds = sorted({r.get("scaled_kind", "") for r in done if r.get("scaled_kind")})
-    part.notes += ["Large shapes (target): M >= 8192, N >= 7168, K >= 7168. TFLOP/s = 2·M·N·K / median time. "
-                   "fp8/bf16 and fp8/_scaled_mm are speed-ups of the Triton kernel (> 1: faster).",
-                   f"_scaled_mm baselines used: {', '.join(kinds) or 'none'} (row-wise = other numerics, a speed "
-                   f"reference only; a blockwise call is used only when it matches the reference)."]
-    heads = _min_ratios(large, "layout", fp8_gemm.LAYOUTS)
-    part.headline = ("large shapes, min fp8/bf16: " + ", ".join(heads)) if heads else "no timings"
-    _skipped_note(part, rows)
-
-
-def _min_ratios(rows: list[dict], field: str, values) -> list[str]:
-    """``"<value> <min fp8/bf16>x"`` for each ``value`` of ``row[field]`` that has timings."""
-    heads = []
-    for value in values:
-        v = [r["vs_bf16"] for r in rows if r[field] == value and r.get("vs_bf16")]
-        if v:
-            heads.append(f"{value} {min(v):.2f}x")
-    return heads
-
-
-def part_grouped(ctx: Ctx, part: Part) -> None:
-    from bench import fp8_grouped_gemm as fg
-    if ctx.smoke:
-        kw = {"experts_list": [2], "tokens": 256, "dim": 256, "inter": 128}
-    else:
-        kw = {"experts_list": [8, 32] if ctx.quick else [8, 16, 32], "tokens": 32768, "dim": 7168, "inter": 2048}
-    rows = fg.measure(**kw, deadline=ctx.part_deadline("grouped"))
-    part.tables.append(Table(fg.HEADERS, fg.table_rows(rows)))
-    done = [r for r in rows if not r.get("skipped")]
-    part.marks = [min_mark("grouped FP8 GEMM fwd vs torch._grouped_mm BF16", f">= {GROUPED_MIN:.2f}x", GROUPED_MIN,
-                           [(f"E={r['E']} {r['gemm']}", r.get("vs_bf16")) for r in done if r["pass"] == "fprop"])]
-    n_ok = sum(bool(r.get("ok")) for r in done)
-    part.marks.append(Mark("grouped FP8 GEMM matches reference", "rel. err <= 1e-2 everywhere",
-                           f"{n_ok} of {len(done)}", bool(done) and n_ok == len(done), "check"))
-    part.notes.append(f"R = {kw['tokens']} routed token copies per rank, D = {kw['dim']}, F = {kw['inter']}; "
-                      f"ragged expert counts (0.5x-1.5x of the mean, multiples of 16). TFLOP/s = 2·R·N·K / median time.")
-    heads = _min_ratios(done, "pass", fg.PASSES)
-    part.headline = ("min fp8/bf16: " + ", ".join(heads)) if heads else "no timings"
-    _skipped_note(part, rows)
-
-
-def _skipped_note(part: Part, rows: list[dict]) -> None:
-    n = sum(bool(r.get("skipped")) for r in rows)
-    if n:
-        part.notes.append(f"{n} row(s) not run: the part's time budget ran out (rerun with --parts {part.key}).")
-
-
-# ---------------------------------------------------------------------------------------------- (c) trainer
-def hydra_path(ctx: Ctx) -> tuple[bool, str | None, str]:
-    """``(available, PYTHONPATH entry, reason)``: import hydra/omegaconf in a subprocess; if missing, install
-    the carried wheels (``--wheels``) into a temp dir and try again."""
-    from bench.train_check import env_with_path
-    check = [sys.executable, "-c", "import hydra, omegaconf"]
-    if _run(check, env=env_with_path(None), timeout=120).returncode == 0:
-        return True, None, ""
-    wheels = sorted(Path(ctx.args.wheels).glob("*.whl"))
-    if not wheels:
-        return False, None, (f"hydra-core/omegaconf are not installed and {ctx.args.wheels} holds no wheels "
-                             f"(run `bash bench/gpu_wheels.sh` on a machine with PyPI and carry .whl)")
-    site = ctx.tmp / "site"
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-           "--upgrade", "--target", str(site), *map(str, wheels)]
-    r = _run(pip, timeout=300)
-    if r.returncode != 0:
-        return False, None, f"pip install of the carried wheels failed: {_tail(r.stdout + r.stderr, 3)}"
-    r = _run(check, env=env_with_path(str(site)), timeout=120)
-    if r.returncode != 0:
-        return False, None, f"hydra still not importable after installing the wheels: {_tail(r.stderr, 2)}"
-    return True, str(site), ""
-
-
-def part_trainer(ctx: Ctx, part: Part) -> None:
-    from bench.train_check import FP32_TOL, LossTol, TinyRun, compare_losses, env_with_path, run_tiny
-    ok, site, why = hydra_path(ctx)
-    if not ok:
-        part.status, part.headline = "skipped", "Hydra unavailable"
-        part.notes.append(f"skipped: {why}")
-        return
-    if site:
-        part.notes.append(f"Hydra from the carried wheels ({', '.join(p.name for p in Path(ctx.args.wheels).glob('*.whl'))})")
-    tol = LossTol()
-    steps = 12 if ctx.smoke else 40
-    gpu = "cpu" if ctx.smoke else "cuda"
-    runs = [TinyRun("cpu fp32", "cpu", "fp32", ctx.tmp / "tiny_cpu_fp32"),
-            TinyRun(f"{gpu} fp32", gpu, "fp32", ctx.tmp / f"tiny_{gpu}_fp32"),
-            TinyRun(f"{gpu} bf16", gpu, "bf16", ctx.tmp / f"tiny_{gpu}_bf16"),
-            TinyRun(f"{gpu} fp8", gpu, "fp8", ctx.tmp / f"tiny_{gpu}_fp8")]
-    env = env_with_path(site)
-    deadline = ctx.part_deadline("trainer")
-    for run in runs:
-        left = deadline - time.monotonic()
-        if left < 20:
-            run.error = "not run: time budget"
-            continue
-        run_tiny(run, steps, ctx.tmp / "data_cache", env, timeout_s=left, cpu_threads=min(8, os.cpu_count() or 1))
-        print(f"  trainer {run.name}: {run.error or 'ok'} in {run.seconds:.0f} s", flush=True)
-    ref = runs[0]
-    rows, marks = [], []
-    for run in runs:
-        run_tol = FP32_TOL if run.precision == "fp32" else tol
-        cmp = compare_losses(ref.losses, run.losses, run_tol) if run is not ref and ref.losses and run.losses else None
-        last = statistics.fmean(run.losses[-tol.tail:]) if len(run.losses) >= tol.tail else None
-        rows.append([run.name, len(run.losses), rep_f(run.losses[0] if run.losses else None, ".4f"),
-                     rep_f(last, ".4f"), rep_f(run.tokens_per_s, ".0f"),
-                     rep_f(cmp and cmp["first_rel"], ".2%"), rep_f(cmp and cmp["max_step_rel"], ".2%") +
-                     (f" (step {cmp['max_step']})" if cmp and cmp["max_step"] else ""), rep_f(cmp and cmp["tail_rel"], ".2%"),
-                     "reference" if run is ref else ("ok" if cmp and cmp["ok"] else "; ".join(
-                         (cmp or {}).get("reasons", []) or [run.error or "no losses"])), f"{run.seconds:.0f}"])
-        if run is not ref:
-            got = ("; ".join(cmp["reasons"]) or f"max step {cmp['max_step_rel']:.2%}, last-{tol.tail} mean "
-                   f"{cmp['tail_rel']:.2%}") if cmp else (run.error or ref.error or "no losses")
-            marks.append(Mark(f"tiny {run.name} losses vs CPU fp32", "within tolerance", got,
-                              bool(cmp and cmp["ok"]), "check"))
-        if run.error:
-            part.notes.append(f"{run.name}: {run.error}")
-    part.marks = marks
-    part.tables.append(Table(["run", "steps", "loss step 1", f"mean last {tol.tail}", "tokens/s (median, after 5)",
-                              "step-1 Δ", "max step Δ", f"last-{tol.tail} Δ", "vs CPU fp32", "wall s"], rows))
-    part.notes.append(f"{steps} steps of `python -m trainer +exp=tiny` (batch 16 x 128 tokens), W&B disabled, no "
-                      f"checkpoint; every run starts from the same weights (drawn on the CPU). Tolerances "
-                      f"(relative): {gpu} fp32 step 1 <= {FP32_TOL.first_rel:.0e}, any step <= {FP32_TOL.step_rel:.0%}, "
-                      f"last {FP32_TOL.tail} <= {FP32_TOL.tail_rel:.1%}; bf16/fp8 step 1 <= {tol.first_rel:.0%}, any step "
-                      f"<= {tol.step_rel:.0%}, mean of the last {tol.tail} <= {tol.tail_rel:.0%}; every run's loss must "
-                      f"fall >= {tol.min_drop:.0%}; see bench/train_check.py.")
-    part.log = "\n\n".join(f"[{r.name}]\n{r.output_tail}" for r in runs if r.error and r.output_tail)
-    if any(r.error for r in runs) and not part.error:
-        part.error = "; ".join(f"{r.name}: {r.error}" for r in runs if r.error)
-    heads = [f"{r.name} {r.tokens_per_s:.0f} tok/s" for r in runs if r.tokens_per_s]
-    heads.append("losses " + ("within tolerance" if marks and all(m.met for m in marks) else "NOT within tolerance"))
-    part.headline = "; ".join(heads)
-
-
-def rep_f(x, spec: str) -> str:
-    return "" if x is None else format(x, spec)
-
-
-# ---------------------------------------------------------------------------------------------- (d) step
-def part_step(ctx: Ctx, part: Part) -> None:
-    import torch
-
-    from bench.train_check import H100_BF16_PEAK, measure_step_fitting, reduced_config
-    if ctx.smoke:
-        cfg, batch, seq, dev, iters = reduced_config("tiny", 2), 2, 64, "cpu", 1
-    else:
-        cfg, batch, seq, dev, iters = reduced_config("v3_small", 4), 4, 2048, "cuda", 3 if ctx.quick else 5
-    res, deadline = {}, ctx.part_deadline("step")
-    for prec in ("bf16", "fp8"):
-        if time.monotonic() > deadline and res:
-            part.notes.append(f"{prec}: not run (time budget)")
-            continue
-        try:
-            res[prec] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters)
-        except Exception as e:      # noqa: BLE001 - record and go on to the other precision
-            part.error += f"{prec}: {type(e).__name__}: {e}\n"
-            part.log += f"[{prec}]\n{traceback.format_exc(limit=6)}\n"
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    rows = []
-    for prec, r in res.items():
-        rows.append([prec, f"{r['batch']} x {r['seq']}", f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
-                     f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", rep_f(r["peak_gb"], ".1f"), f"{r['loss']:.3f}",
-                     ", ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])])
-        if r["oom_retries"]:
-            part.notes.append(f"{prec}: out of memory at batch {r['oom_retries']}, measured at batch {r['batch']}")
-    part.tables.append(Table(["precision", "batch x seq", "step ms (median)", "tokens/s", "model TFLOP/s",
-                              f"MFU (vs {H100_BF16_PEAK / 1e12:.0f})", "peak mem GB", "loss", "step times ms"], rows))
-    speed = res["bf16"]["step_s"] / res["fp8"]["step_s"] if "bf16" in res and "fp8" in res else None
-    part.marks = [min_mark("FP8 training step faster than BF16", f"> {STEP_MIN:.2f}x",
-                           STEP_MIN + 1e-9, [("bf16 step / fp8 step", speed)]),
-                  Mark("training step losses finite", "bf16 and fp8",
-                       ", ".join(f"{p} {r['loss']:.3f}" for p, r in res.items()) or "no step ran",
-                       len(res) == 2 and all(r["finite"] for r in res.values()), "check")]
-    first = next(iter(res.values()), None)
-    part.notes.append(f"Model: preset `{'tiny' if ctx.smoke else 'v3_small'}` with n_layers={cfg.n_layers} "
-                      f"(first_k_dense={cfg.first_k_dense}, mtp_depth={cfg.mtp_depth}, {cfg.n_routed_experts} routed "
-                      f"experts, top-{cfg.n_activated_experts}); random tokens; forward+backward+AdamW+clip+bias update, "
-                      f"BF16 autocast (fp8: `apply_fp8`, Triton kernels); {iters} timed steps after 2 warm-up steps."
-                      + (f" FLOPs/token {first['flops_per_token'] / 1e9:.2f} G (models.params.flops_per_token)."
-                         if first else ""))
-    part.headline = (f"fp8/bf16 step speed-up {speed:.2f}x; MFU " + ", ".join(f"{p} {r['mfu']:.1%}" for p, r in res.items())
-                     if speed else "incomplete")
 
 
 PART_FUNCS = {"kernels": part_kernels, "quant": part_quant, "gemm": part_gemm, "grouped": part_grouped,

@@ -39,9 +39,9 @@ LAYOUTS = {
 def measure(reps: int) -> dict:
     import models
     from parallel.pipeline.stages import Stage
-    from tools.plan import compose_config
+    from configs.schema import compose
     torch.set_num_threads(1)
-    cfg = compose_config(["+exp=tiny"])
+    cfg = compose(["+exp=tiny"])
     m, B, T = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
     model = models.build(m, "cpu", seed=0)
     ids = torch.randint(0, m.vocab_size, (B, T))
@@ -112,11 +112,13 @@ def main() -> int:
         print(f"  {k:<12} " + "  ".join(f"{x} {1e6 * v[x]:.2f} us/token" for x in "fbw"))
     if not args.check:
         return 0
-    from tools.plan import compose_config, load_hardware, predict
+    from configs.schema import compose
+    from tools.plan import predict
+    from tools.plan_costs import load_hardware
     hw = load_hardware(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         for name, over in LAYOUTS.items():
-            cfg = compose_config(["+exp=tiny", *over])
+            cfg = compose(["+exp=tiny", *over])
             world = cfg.parallel.pp * cfg.parallel.ep
             pred = predict(cfg, hw, world, "bf16", "none")
             before = os.getloadavg()[0]

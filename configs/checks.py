@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from errors import ConfigError
-from parallel.pipeline.schedules import NO_PIPELINE, SCHEDULES as PIPELINE_SCHEDULES
+from parallel.ep.apply import DISPATCHERS as EP_DISPATCHERS
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -18,11 +18,9 @@ if TYPE_CHECKING:
     from .schema import (CheckpointConfig, Config, DataConfig, LoggingConfig, OptimConfig, ParallelConfig,
                          Piecewise, TrainConfig)
 
-SCHEDULES = (NO_PIPELINE, *PIPELINE_SCHEDULES)   # parallel.schedule
 PRECISIONS = ("fp32", "bf16", "fp8")             # train.precision
 DEVICES = ("auto", "cpu", "cuda")                # train.device
-# parallel.ep_dispatcher: parallel/ep/apply.py picks the class by these names (it has no registry to read)
-DISPATCHERS = ("hierarchical", "alltoall")
+DISPATCHERS = tuple(EP_DISPATCHERS)            # parallel.ep_dispatcher
 ZERO_BACKENDS = ("native", "deepspeed")          # parallel.zero_backend
 DECAYS = ("cosine", "constant", "phases")        # optim.decay
 LR_SHAPES = ("constant", "linear", "cosine")     # optim.phases[i].shape
@@ -163,10 +161,8 @@ def _check_ramp(t: TrainConfig) -> None:
 def _check_parallel(p: ParallelConfig) -> None:
     for key in ("pp", "ep", "ranks_per_node"):
         _need(f"parallel.{key}", getattr(p, key), getattr(p, key) >= 1, ">= 1")
-    _need("parallel.zero", p.zero, p.zero in (0, 1, 2), "0, 1 or 2")
     _need("parallel.timeout_s", p.timeout_s, p.timeout_s > 0, "> 0 (seconds)")
     _positive("parallel.zero_bucket_mb", p.zero_bucket_mb)
-    _one_of("parallel.schedule", p.schedule, SCHEDULES)
     _one_of("parallel.ep_dispatcher", p.ep_dispatcher, DISPATCHERS)
     _one_of("parallel.zero_backend", p.zero_backend, ZERO_BACKENDS)
 

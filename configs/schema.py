@@ -177,6 +177,16 @@ def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 
 
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The typed config of ``configs/config.yaml`` with Hydra ``overrides``, as ``python -m trainer`` composes it
+    (not yet validated): the one compose for the tools and benchmarks."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    register()
+    with initialize_config_module("configs", version_base=None):
+        return to_object(hydra_compose("config", overrides=list(overrides)))
+
+
 def to_object(cfg: Any) -> Config:
     """DictConfig from Hydra -> typed ``Config`` dataclass. A key the schema lacks is a ``ConfigError``: Hydra's
     ``+key=value`` adds any key (``+train.max_step=3``), and the merge below would silently drop it."""

@@ -18,6 +18,8 @@ import pytest
 
 from bench import common
 from bench import gpu_suite as gs
+from bench import gpu_suite_ctx as gsc
+from bench import gpu_suite_parts as gsp
 from bench import suite_report as rep
 from bench import train_check as tc
 from bench.suite_report import Mark, Part, Table
@@ -67,14 +69,14 @@ def test_parse_parts():
 
 
 def test_large_shape_rule_and_shape_sets():
-    assert gs.is_large(16384, 7168, 7168) and not gs.is_large(4096, 7168, 7168) and not gs.is_large(16384, 2048, 7168)
+    assert gsp.is_large(16384, 7168, 7168) and not gsp.is_large(4096, 7168, 7168) and not gsp.is_large(16384, 2048, 7168)
     ctx = gs.Ctx(gs.build_parser().parse_args(["--out", "x"]), Path("."), 0.0, None)
-    full = gs.dense_shapes(ctx)
+    full = gsp.dense_shapes(ctx)
     assert len(full) == 18 and {n for _, n, _ in full} == {2048, 7168, 16384} and {m for m, _, _ in full} == {4096, 16384}
-    assert sum(gs.is_large(*s) for s in full) == 4
-    quick = gs.dense_shapes(gs.Ctx(gs.build_parser().parse_args(["--out", "x", "--quick"]), Path("."), 0.0, None))
-    assert set(quick) < set(full) and any(gs.is_large(*s) for s in quick)
-    assert any(r * c >= gs.QUANT_TARGET_ELEMS for r, c in gs.quant_shapes(ctx))
+    assert sum(gsp.is_large(*s) for s in full) == 4
+    quick = gsp.dense_shapes(gs.Ctx(gs.build_parser().parse_args(["--out", "x", "--quick"]), Path("."), 0.0, None))
+    assert set(quick) < set(full) and any(gsp.is_large(*s) for s in quick)
+    assert any(r * c >= gsc.QUANT_TARGET_ELEMS for r, c in gsp.quant_shapes(ctx))
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -206,16 +208,16 @@ def test_junit_counts_and_kernel_part_from_a_real_pytest_run(tmp_path, monkeypat
         @pytest.mark.skip(reason="no")
         def test_d(): pass
     """))
-    monkeypatch.setattr(gs, "KERNEL_TESTS", (str(t), "tests/test_does_not_exist.py"))
+    monkeypatch.setattr(gsp, "KERNEL_TESTS", (str(t), "tests/test_does_not_exist.py"))
     ctx = gs.Ctx(gs.build_parser().parse_args(["--out", "x", "--smoke-cpu"]), tmp_path, 0.0, None)
     part = Part("kernels", gs.TITLES["kernels"])
-    gs.part_kernels(ctx, part)
+    gsp.part_kernels(ctx, part)
     part.finish()
     assert part.status == "failed" and part.headline == "2 passed, 1 failed, 0 errors, 1 skipped"
     assert part.tables[0].rows == [[4, 2, 1, 0, 1, 1]]
     assert any("test_c" in n for n in part.notes) and any("test_does_not_exist.py" in n for n in part.notes)
     assert part.marks[0].met is False
-    c = gs.junit_counts(tmp_path / "kernels.xml")
+    c = gsp.junit_counts(tmp_path / "kernels.xml")
     assert (c["tests"], c["passed"], c["failures"], c["skipped"]) == (4, 2, 1, 1) and len(c["failed_ids"]) == 1
 
 
@@ -255,10 +257,10 @@ def test_trainer_part_marks_from_runs(tmp_path, monkeypatch):
         run.tokens_per_s, run.seconds, run.returncode = 1000.0, 1.0, 0
         return run
     monkeypatch.setattr(tc, "run_tiny", fake_run)
-    monkeypatch.setattr(gs, "hydra_path", lambda ctx: (True, None, ""))
+    monkeypatch.setattr(gsp, "hydra_path", lambda ctx: (True, None, ""))
     ctx = gs.Ctx(gs.build_parser().parse_args(["--out", "x"]), tmp_path, 0.0, None)
     part = Part("trainer", gs.TITLES["trainer"])
-    gs.part_trainer(ctx, part)
+    gsp.part_trainer(ctx, part)
     part.finish()
     assert [m.met for m in part.marks] == [True, True, False] and part.status == "failed"
     assert [r[0] for r in part.tables[0].rows] == ["cpu fp32", "cuda fp32", "cuda bf16", "cuda fp8"]
@@ -267,9 +269,9 @@ def test_trainer_part_marks_from_runs(tmp_path, monkeypatch):
     # 0.8 % off is fine for bf16 but not for CUDA fp32, which starts from the CPU run's exact weights
     assert not tc.compare_losses(REF, [v * 1.008 for v in REF], tc.FP32_TOL)["ok"]
 
-    monkeypatch.setattr(gs, "hydra_path", lambda ctx: (False, None, "no wheels here"))
+    monkeypatch.setattr(gsp, "hydra_path", lambda ctx: (False, None, "no wheels here"))
     skipped = Part("trainer", gs.TITLES["trainer"])
-    gs.part_trainer(ctx, skipped)
+    gsp.part_trainer(ctx, skipped)
     assert skipped.finish().status == "skipped" and "skipped: no wheels here" in skipped.notes
 
 
@@ -279,7 +281,7 @@ def test_hydra_missing_without_wheels_is_a_reason(tmp_path, monkeypatch):
     (block / "sitecustomize.py").write_text(_BLOCKER.format(names=("hydra", "omegaconf")))
     monkeypatch.setenv("PYTHONPATH", str(block))
     ctx = gs.Ctx(gs.build_parser().parse_args(["--out", "x", "--wheels", str(tmp_path / "none")]), tmp_path, 0.0, None)
-    ok, site, why = gs.hydra_path(ctx)
+    ok, site, why = gsp.hydra_path(ctx)
     assert not ok and site is None and "gpu_wheels.sh" in why
 
 

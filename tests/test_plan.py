@@ -1,4 +1,4 @@
-"""Cluster planner (tools/plan.py): the cost model's pieces and DeepSeek-V3's published step."""
+"""Cluster planner (tools/plan.py, tools/plan_costs.py): the cost model's pieces and DeepSeek-V3's published step."""
 import math
 
 import pytest
@@ -6,12 +6,13 @@ import torch
 
 import models
 from configs import model_preset
+from configs.schema import compose
 from models.config import ModelConfig
 from models.params import flops_per_token
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.simulator import Costs, simulate
-from tools.plan import (V3_PUBLISHED, Hardware, StageCost, StageCosts, compose_config, ep_traffic, expected_distinct,
-                        predict, stage_work, v3_check)
+from tools.plan import V3_PUBLISHED, predict, v3_check
+from tools.plan_costs import Hardware, StageCost, StageCosts, ep_traffic, expected_distinct, stage_work
 from tools.size import model_parts, split_layers
 
 
@@ -76,7 +77,7 @@ def test_fb_overlap_rule():
 
 
 def test_measured_profile_single_stage():
-    cfg = compose_config(["+exp=tiny"])
+    cfg = compose(["+exp=tiny"])
     per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
     hw = Hardware(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2)
     p = predict(cfg, hw, 1, "bf16", "none")

@@ -163,7 +163,7 @@ def test_sbatch_torchrun_launcher_usr1_to_batch_script(cluster, tmp_path, cache)
     """LAUNCHER=torchrun: one srun task per node running torchrun with c10d rendezvous. SIGUSR1 to the batch
     script (as `--signal=B:USR1@...` would send it) is passed on to the steps; torchrun ignores it (it would
     die of it otherwise), its workers save and exit 75, the job is requeued and resumes."""
-    run, steps = tmp_path / "run", 6
+    run, steps = tmp_path / "run", 16   # the signal travels batch script -> srun -> torchrun -> workers: room for it
     job = cluster.sbatch(["--ntasks=1", "--cpus-per-task=2", "--job-name=dsv3-trun", str(SBATCH), *COMMON, *EP2,
                           f"train.max_steps={steps}", "checkpoint.every=0", f"data.cache_dir={cache}"],
                          env=job_env(RUN_DIR=run, LAUNCHER="torchrun", NPROC_PER_NODE=2), cwd=tmp_path)

@@ -158,16 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +exp=tiny parallel.ep=2")
     args = ap.parse_args(argv)
-    from hydra import compose, initialize_config_module
-
-    from configs.schema import register, to_object, validate
-    from trainer.train import Trainer
-    register()
+    from configs.schema import compose, validate
     from errors import ConfigError
+    from trainer.train import Trainer
     try:
-        with initialize_config_module("configs", version_base=None):
-            cfg = validate(to_object(compose("config", overrides=["logging.wandb.mode=disabled",
-                                                                   "logging.progress=false", *args.overrides])))
+        cfg = validate(compose(["logging.wandb.mode=disabled", "logging.progress=false", *args.overrides]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -57,10 +57,9 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
-from hydra import compose, initialize_config_module
 
 import models
-from configs.schema import Config, register, to_object
+from configs.schema import Config, compose
 from errors import ConfigError
 from models.config import ModelConfig, ModelError
 from models.moe import GroupedExperts
@@ -356,10 +355,8 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown option {unknown[0]} (options: --world-size, --gpu-mem-gb, --headroom, --recipe, "
               f"--recompute; everything else is a Hydra override)", file=sys.stderr)
         return 2
-    register()
     try:
-        with initialize_config_module("configs", version_base=None):
-            cfg = to_object(compose("config", overrides=overrides))
+        cfg = compose(overrides)
         dims = check_layout(cfg, args.world_size or cfg.parallel.pp * cfg.parallel.ep)   # fail fast, before the build
         model = models.build(cfg.model, "meta")
         plan = plan_memory(cfg, recipe=args.recipe, recompute=args.recompute, model=model, dims=dims)

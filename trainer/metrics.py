@@ -223,7 +223,7 @@ class MetricsLogger:
         if p["pp"] > 1:
             dp = max(1, self.world_size // p["pp"])
             n_micro = t["global_batch_size"] // (t["micro_batch_size"] * dp)
-            schedule = p["schedule"] if p["schedule"] != "none" else "1f1b"
+            schedule = p["schedule"]   # pp > 1 always names one (parallel.dims.validate_layout)
             try:
                 self.static["pipeline/bubble_unit_costs"] = simulated_bubble(schedule, p["pp"], n_micro)
             except ValueError as e:

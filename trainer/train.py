@@ -2,35 +2,26 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import yaml
-from omegaconf import OmegaConf
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-import models
 from configs.schema import Config
-from errors import ConfigError
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
-from parallel.ep import apply_ep
-from parallel.pipeline.runner import PipelineRunner
-from parallel.state_dict import to_global, to_local
 from parallel.zero import NonFiniteGradients, build_optimizer
 
-from .checkpoint import CheckpointManager, has_state
-from .lifecycle import StopRequests, TrainingError, is_comm_failure
-from .blend import BlendedBatches, blend_val_batches
-from .data import PackedBatches, load_corpus, val_batches
+from . import run_state
+from .blend import BlendedBatches
+from .checkpoint import CheckpointManager
+from .data import use_offline_hub
 from .ema import ParamEMA
+from .lifecycle import StopRequests, TrainingError, is_comm_failure
+from .metrics import rank_memory
 from .schedules import batch_size_at, lr_multiplier
-from .metrics import RUN_ID_FILE, MetricsLogger, rank_memory, saved_run_id
+from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
 
 
 def pick_device(name: str) -> torch.device:
@@ -42,6 +33,7 @@ def pick_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, dims: ParallelDims | None = None,
                  device: torch.device | None = None):
+        use_offline_hub()   # data.blend never calls load_corpus; an init_from HF directory is read offline too
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -55,265 +47,59 @@ class Trainer:
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
-        if t.memory_check:   # before anything big is built: the estimate vs free memory (tools.size)
-            self.memory_note = self._preflight()
+        # Before anything big is built: the estimate vs free memory (tools.size).
+        self.memory_note = preflight_all_ranks(cfg, self.dims, self.device) if t.memory_check else ""
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
-        self.corpus = None if cfg.data.blend else self._load_corpus()
+        self.corpus = None if cfg.data.blend else load_corpus_rank0_first(cfg, self.dims)
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard. Starting
         # from HF weights, it builds on meta instead and materialises only what it keeps (its stages, its experts'
         # slice) before reading those tensors: host memory about its own shard (models.hf.load_hf_into).
         init = cfg.checkpoint.init_from
-        self._hf_init = init is not None and self._resume_path is None and (Path(init).expanduser() / "config.json").is_file()
-        self.model = apply_ep(models.build(cfg.model, device="meta" if self._hf_init else self.device, seed=t.seed), self.dims,
-                              dispatcher=cfg.parallel.ep_dispatcher, fp8_dispatch=cfg.parallel.fp8_dispatch)
-        if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
-            from parallel.fp8 import apply_fp8
-            apply_fp8(self.model)
-        self.pipe = None
-        if self.dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
-            n_micro = batch_size_at(t, 0) // (t.micro_batch_size * self.dims.dp)   # the first step's
-            self.pipe = PipelineRunner(self.model, self.dims, cfg.parallel.schedule, n_micro,
-                                       cfg.parallel.pp_layout, self.device, cfg.parallel.overlap)
-        self.model.train()
-        self.notes: list[str] = []   # start-up lines for the log (written once the logger exists)
-        if cfg.checkpoint.init_from is not None:
-            if self._resume_path is None:   # before the optimizer: ZeRO copies its master pieces from the weights
-                self.notes.append(self._init_weights_from(cfg.checkpoint.init_from))
-            else:
-                self.notes.append(f"checkpoint.init_from={cfg.checkpoint.init_from} not applied: resuming from "
-                                  f"{self._resume_path} (the run it started has a checkpoint)")
+        hf_init = init is not None and self._resume_path is None and (Path(init).expanduser() / "config.json").is_file()
+        self.model, self.pipe = build_model(cfg, self.dims, self.device, on_meta=hf_init)
+        # Start-up lines for the log (written once the logger exists). init_from comes before the optimizer:
+        # ZeRO copies its master pieces from the weights.
+        self.notes: list[str] = [] if init is None else [run_state.apply_init_from(self)]
         # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
         self.opt = build_optimizer(self.model, cfg.optim, self.dims, cfg.parallel.zero, cfg.parallel.zero_backend,
                                    cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
         self.ema = ParamEMA(self.model, t.ema_decay) if t.ema_decay else None   # from the weights as they are now
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
-        self.val_sources: dict[str, list] = {}   # data.val_blend: validation batches per source
-        if cfg.data.blend:
-            self.batches, self.val_sources = self._open_blend()
-            self.val = [b for batches in self.val_sources.values() for b in batches]
-        else:
-            self.batches = PackedBatches(self.corpus.train_tokens, cfg.data.seq_len, t.global_batch_size, t.seed,
-                                         dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
-            self.val = val_batches(self.corpus.val_tokens, cfg.data.seq_len, t.micro_batch_size, t.eval_batches)
+        # data.val_blend: val_sources holds the validation batches per source
+        self.batches, self.val, self.val_sources = open_data(cfg, self.dims, self.corpus)
         self.ckpt.remove_partial()
-        self._barrier()
+        barrier(self.dims)
         self.resumed_from = self.maybe_resume()
         self.stops = StopRequests(self.dims.rank)   # installed by train()
         self.stop_requested = False
         self.skipped_in_a_row = 0
         self._saved_step, self._saved_path = None, None
 
-    def _barrier(self) -> None:
-        if self.dims.world_size > 1:
-            torch.distributed.barrier()
-
-    def tokenizer_json(self) -> str | None:
-        """The run's tokenizer as tokenizer.json text: the text corpus's, or the token datasets' own copy."""
-        if self.corpus is not None:
-            backend = getattr(self.corpus.tokenizer, "backend_tokenizer", None)
-            return backend.to_str() if backend is not None else None
-        for s in self.cfg.data.blend:
-            f = Path(s.path).expanduser() / "tokenizer" / "tokenizer.json"
-            if f.is_file():
-                return f.read_text()
-        return None
-
-    def startup_lines(self) -> list[str]:
-        """What a cluster log needs first: run dir and resolved config, layout, parameter counts, data."""
-        from models.params import count_params
-        c, d, p = self.cfg, self.dims, self.cfg.parallel
-        if d.is_main:   # the resolved config and the tokenizer travel with the run dir
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(c)))
-            tokenizer = self.tokenizer_json()
-            if tokenizer:
-                (self.run_dir / "tokenizer.json").write_text(tokenizer)
-        n = count_params(models.build(c.model, device="meta"))
-        lines = [f"run dir {self.run_dir} (resolved config: {self.run_dir / 'config.yaml'})",
-                 f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
-                 f"{p.schedule}; zero {p.zero}; precision {c.train.precision}; device {self.device}",
-                 f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
-                 f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
-        if self.corpus is not None:
-            lines.append(self.corpus.summary(c.data.path or "embedded corpus (CPython's pydoc topics)"))
-        else:
-            b = self.batches
-            lines.append("data: blend of " + ", ".join(
-                f"{name} ({src.num_tokens:,} tokens, weight {w:g})" for name, src, w in zip(b.names, b.sources, b.weights))
-                + (f"; validation: {', '.join(self.val_sources)}" if self.val_sources else "; no validation"))
-        return lines
-
-    def _preflight(self) -> str:
-        """trainer.preflight on every rank, one verdict for all: free memory differs per GPU, and a rank
-        that stopped alone would leave the others waiting for it at the next collective."""
-        from .preflight import preflight
-        try:
-            note, error = preflight(self.cfg, self.dims, self.device), None
-        except ConfigError as e:
-            note, error = "", e
-        if self.dims.world_size > 1:
-            flags = torch.zeros(self.dims.world_size, device=self.device)
-            flags[self.dims.rank] = float(error is not None)
-            torch.distributed.all_reduce(flags)
-            short = [r for r, f in enumerate(flags.tolist()) if f]
-            if short and error is None:
-                raise ConfigError(f"memory: rank(s) {', '.join(map(str, short))} lack the memory this run needs "
-                                  f"(their own error line says how much); this rank: {note.removeprefix('memory: ')}")
-        if error is not None:
-            raise error
-        return note
-
     def _lr_multiplier(self, scheduler_step: int) -> float:
         """LambdaLR's factor for its step ``scheduler_step``, after ``self.tokens`` consumed tokens."""
         return lr_multiplier(self.cfg.optim, self.cfg.train.max_steps, scheduler_step, self.tokens)
 
-    def _open_blend(self):
-        """data.blend / data.val_blend: memory-mapped token datasets (trainer/tokens.py, trainer/blend.py)."""
-        from .tokens import open_tokens
-        d, t = self.cfg.data, self.cfg.train
-        opened = {}
-        for key in ("blend", "val_blend"):
-            srcs = [open_tokens(s.path) for s in getattr(d, key)]
-            names = [s.name or Path(s.path).name for s in getattr(d, key)]
-            opened[key] = (srcs, names)
-        everything = [(f"data.{k}[{i}]", s) for k, (srcs, _) in opened.items() for i, s in enumerate(srcs)]
-        tokenizers = {s.tokenizer_hash for _, s in everything if s.tokenizer_hash is not None}
-        if len(tokenizers) > 1:
-            listing = "; ".join(f"{k} {s.path}: {s.tokenizer_hash[:12]}" for k, s in everything if s.tokenizer_hash)
-            raise ConfigError(f"data.blend: the sources were tokenized with different tokenizers ({listing}); "
-                              "re-run tools.prepare_data with one tokenizer for all of them")
-        for k, s in everything:
-            if s.vocab_size is not None and s.vocab_size > self.cfg.model.vocab_size:
-                raise ConfigError(f"{k}: {s.path} was tokenized with a vocabulary of {s.vocab_size}, more than "
-                                  f"model.vocab_size ({self.cfg.model.vocab_size}); raise model.vocab_size")
-        srcs, names = opened["blend"]
-        batches = BlendedBatches(srcs, [s.weight for s in d.blend], names, d.seq_len, t.seed,
-                                 dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
-        val = blend_val_batches(*opened["val_blend"], d.seq_len, t.micro_batch_size, t.eval_batches)
-        return batches, val
-
-    def _load_corpus(self):
-        """Rank 0 tokenizes (and caches) first; the others then read the cache."""
-        if not self.dims.is_main:
-            self._barrier()
-        corpus = load_corpus(self.cfg.data, self.cfg.model.vocab_size)
-        if self.dims.is_main:
-            self._barrier()
-        return corpus
-
-    # ---- state ---------------------------------------------------------------------------------
+    # ---- state (trainer/run_state.py) ------------------------------------------------------------
     def state_dict(self) -> dict:
-        model_sd, _ = to_global(get_model_state_dict(self.model), {}, self.model, self.dims)
-        optim_sd = self.opt.state_dict()   # moments per parameter name, global shapes (DTensor pieces)
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if self.device.type == "cuda":   # this rank's GPU only: touching the others would create contexts there
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        extra = {"step": self.step, "tokens": self.tokens, "scheduler": {"last_epoch": self.scheduler.last_epoch},
-                 "data": self.batches.state_dict(), "rng": rng}
-        state = {"model": model_sd, "optim": optim_sd, "extra": extra}
-        if self.ema is not None:   # single-device names and global shapes, like the weights: it reshards
-            state["ema"] = to_global(dict(self.ema.state_dict()), {}, self.model, self.dims)[0]
-        return state
+        return run_state.state_dict(self)
 
     def maybe_resume(self) -> Path | None:
-        path = self._resume_path   # chosen and verified at start-up (CheckpointManager.resolve)
-        if path is None:
-            return None
-        self._check_model_config(path)
-        state = self.state_dict()
-        ema_saved = self.ema is not None and has_state(path, "ema")
-        if self.ema is not None and not ema_saved:
-            del state["ema"]   # train.ema_decay newly set: the EMA starts from the resumed weights
-        self.ckpt.load(path, state, verify=False)
-        set_model_state_dict(self.model, to_local(state["model"]))
-        if ema_saved:
-            self.ema.load_state_dict(to_local(state["ema"]))
-        elif self.ema is not None:
-            self.ema.reset()
-        self.opt.load_state_dict(state["optim"])   # after the weights: ZeRO rebuilds its master pieces from them
-        extra = state["extra"]
-        self.step, self.tokens = extra["step"], extra["tokens"]
-        self._restore_lr(int(extra["scheduler"]["last_epoch"]))
-        self.batches.load_state_dict(extra["data"])
-        torch.set_rng_state(extra["rng"]["torch"])
-        random.setstate(extra["rng"]["python"])
-        np.random.set_state(extra["rng"]["numpy"])
-        if "cuda" in extra["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(extra["rng"]["cuda"], self.device)
-        return path
-
-    def _restore_lr(self, last_epoch: int) -> None:
-        """The LR schedule is a function of the step: only its position is checkpointed (the number of
-        param groups depends on the optimizer layout, e.g. ZeRO buckets, so per-group state would not
-        carry over to another layout)."""
-        sd = self.scheduler.state_dict()
-        last_lr = [base * self._lr_multiplier(last_epoch) for base in self.scheduler.base_lrs]
-        sd.update(last_epoch=last_epoch, _step_count=last_epoch + 1, _last_lr=last_lr)
-        self.scheduler.load_state_dict(sd)
-        for group, lr in zip(self.opt.optimizer.param_groups, last_lr):
-            group["lr"] = lr
-
-    def _check_model_config(self, path: Path, key: str = "checkpoint.resume") -> None:
-        saved_file = path / "model_config.yaml"
-        if not saved_file.is_file():
-            raise ConfigError(f"{key}: {path} has no model_config.yaml; not a checkpoint of this trainer")
-        self._same_model(yaml.safe_load(saved_file.read_text()), f"{key}: {path} was written with",
-                         "use checkpoint.resume=none or another checkpoint.dir" if key == "checkpoint.resume" else None)
-
-    def _same_model(self, saved: dict, what: str, fix: str | None) -> None:
-        """Every model key equal to ``saved``'s, else one line naming the key, both values and the fix."""
-        for k, value in dataclasses.asdict(self.cfg.model).items():
-            if saved.get(k) != value:
-                raise ConfigError(f"{what} model.{k}={saved.get(k)!r}, this run has {value!r} ("
-                                  + (fix or f"set model.{k}={saved.get(k)!r}, or a model preset that matches") + ")")
-
-    def _init_weights_from(self, src: str) -> str:
-        """checkpoint.init_from: the model's weights and balancing biases from our checkpoint (any layout) or a
-        Hugging Face DeepseekV3 directory (each rank reads only its own tensors); returns the log line."""
-        path = Path(src).expanduser()
-        if (path / "config.json").is_file():
-            from models.hf import check_config, load_hf_into
-            check_config(self.cfg.model, path)   # by meaning: init_std / max_seq_len touch no weight
-            self.model.to_empty(device="cpu")    # built on meta (see __init__): allocate what this rank keeps
-            self.model.init_weights()            # every tensor is then overwritten; buffers get defined values
-            stats = load_hf_into(self.model, path)   # this rank's tensors only (its stages, its experts' slice)
-            self.model.to(self.device)
-            return (f"initialised from Hugging Face weights {path} ({stats['tensors']} tensors, "
-                    f"{stats['bytes'] / 2**20:.1f} MiB read on rank {self.dims.rank}; step 0, fresh optimizer)")
-        v = self.ckpt.verify(path)
-        if not v.ok:
-            raise ConfigError(f"checkpoint.init_from: {v.path} is not a loadable checkpoint: {v.first()} (point it at "
-                              "a step dir of ours, e.g. <dir>/step_00000100, or a Hugging Face model directory)")
-        self._check_model_config(path, "checkpoint.init_from")
-        state = {"model": to_global(get_model_state_dict(self.model), {}, self.model, self.dims)[0]}
-        self.ckpt.load(path, state, verify=False)   # model only: the optimizer, step and data start fresh
-        set_model_state_dict(self.model, to_local(state["model"]))
-        return f"initialised from {path} (model weights and balancing biases; step 0, fresh optimizer)"
+        """Resume from the checkpoint chosen and verified at start-up (CheckpointManager.resolve), if any."""
+        if self._resume_path is not None:
+            run_state.resume(self, self._resume_path)
+        return self._resume_path
 
     def save(self) -> Path:
-        files = {"model_config.yaml": yaml.safe_dump(dataclasses.asdict(self.cfg.model), sort_keys=False),
-                 "config.yaml": OmegaConf.to_yaml(OmegaConf.structured(self.cfg))}
-        run_id = getattr(getattr(self, "logger", None), "run_id", None)   # rank 0's W&B run id: a resume continues it
-        if run_id:
-            files[RUN_ID_FILE] = run_id + "\n"
-        tokenizer = self.tokenizer_json()
-        if tokenizer:   # the checkpoint carries its tokenizer (tools.convert_hf export picks it up)
-            files["tokenizer.json"] = tokenizer
+        files = run_state.checkpoint_files(self)
         return self.ckpt.save(self.step, self.state_dict(), files)
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
         t = self.cfg.train
-        self.logger = MetricsLogger(self.run_dir, self.cfg.logging.wandb, OmegaConf.to_container(
-            OmegaConf.structured(self.cfg)), t.max_steps, self.step, self.cfg.logging.progress,
-            is_main=self.dims.is_main, device=self.device, world_size=self.dims.world_size,
-            run_id=saved_run_id(self.resumed_from), log_every=self.cfg.logging.log_every)
-        for line in [*self.startup_lines(), getattr(self, "memory_note", ""), self.memory.line(), *self.notes]:
-            if line:
-                self.logger.write(line)
-        if self.resumed_from:
-            self.logger.write(f"resumed from {self.resumed_from} at step {self.step}")
-        if self.step >= min(t.max_steps, t.stop_at_step or t.max_steps):
+        self.logger = open_logger(self)
+        end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
+        if self.step >= end_step:
             self.logger.write(f"nothing to do: already at train.max_steps={t.max_steps}" if self.step >= t.max_steps else
                               f"nothing to do: already at train.stop_at_step={t.stop_at_step}"
                               + f" (checkpoint {self.resumed_from}); raise it to train further")
@@ -326,47 +112,55 @@ class Trainer:
         if self.step == 0 and self.val:
             summary["val_loss_start"] = self.validate(0)
         start, start_step, start_tokens = time.perf_counter(), self.step, self.tokens
-        end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
-        metrics = {}
         trace_step = step_from_env()
         self.stops.install()   # SIGTERM / SIGINT / SIGUSR1: checkpoint at the next step boundary, exit 75
         try:
-            while self.step < end_step:
-                metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
-                if self.stop_requested:   # every rank agreed on it in this step's check
-                    self.logger.log_step(metrics, self._last_load)
-                    path = self._save_once()
-                    self.logger.write(f"stopping at step {self.step} on request ({self.stops.signal or 'a peer'}): "
-                                      f"checkpoint {path}; resume with checkpoint.resume=auto")
-                    summary["stopped"] = self.stops.signal or "peer"
-                    break
-                if self.val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end_step):
-                    metrics["val_loss"] = summary["val_loss_end"] = self.validate(self.step)
-                self.logger.log_step(metrics, self._last_load)
-                if self.skipped_in_a_row >= t.max_skipped_steps:
-                    raise TrainingError(
-                        f"step {self.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradients "
-                        f"({self._nonfinite_where}; train.max_skipped_steps={t.max_skipped_steps}). The weights are "
-                        f"those of step {self.step - self.skipped_in_a_row}; lower optim.lr, check the data, or resume "
-                        f"from an earlier checkpoint (checkpoint.resume=<step dir>)")
-                every = self.cfg.checkpoint.every
-                if every and self.step % every == 0:
-                    self._save_once()
+            metrics = self._run_steps(end_step, trace_step, summary)
             if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
                 self._save_once()   # a stop request now changes nothing: this save is the last one anyway
         finally:
             self.stops.restore()
-        elapsed = time.perf_counter() - start
-        tok = self.tokens - start_tokens
+        self._finish(summary, metrics, time.perf_counter() - start, self.tokens - start_tokens)
+        return summary | {"last": metrics}
+
+    def _run_steps(self, end_step: int, trace_step: int | None, summary: dict) -> dict:
+        """Steps until ``end_step`` or a stop request, validating, logging and saving on the way; returns the
+        last step's metrics and records val_loss_end (and "stopped") in ``summary``."""
+        t = self.cfg.train
+        metrics = {}
+        while self.step < end_step:
+            metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
+            if self.stop_requested:   # every rank agreed on it in this step's check
+                self.logger.log_step(metrics, self._last_load)
+                path = self._save_once()
+                self.logger.write(f"stopping at step {self.step} on request ({self.stops.signal or 'a peer'}): "
+                                  f"checkpoint {path}; resume with checkpoint.resume=auto")
+                summary["stopped"] = self.stops.signal or "peer"
+                break
+            if self.val and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end_step):
+                metrics["val_loss"] = summary["val_loss_end"] = self.validate(self.step)
+            self.logger.log_step(metrics, self._last_load)
+            if self.skipped_in_a_row >= t.max_skipped_steps:
+                raise TrainingError(
+                    f"step {self.step}: {self.skipped_in_a_row} steps in a row had a non-finite loss or gradients "
+                    f"({self._nonfinite_where}; train.max_skipped_steps={t.max_skipped_steps}). The weights are "
+                    f"those of step {self.step - self.skipped_in_a_row}; lower optim.lr, check the data, or resume "
+                    f"from an earlier checkpoint (checkpoint.resume=<step dir>)")
+            every = self.cfg.checkpoint.every
+            if every and self.step % every == 0:
+                self._save_once()
+        return metrics
+
+    def _finish(self, summary: dict, metrics: dict, elapsed: float, tok: int) -> None:
+        """The run's last log line (``tok`` tokens in ``elapsed`` seconds); waits for the EMA; closes the logger."""
         self.logger.write(
-            f"done: step {self.step}/{t.max_steps}, {tok} tokens in {elapsed:.1f}s ({tok / max(elapsed, 1e-9):.0f} tok/s)"
-            f"; loss {metrics.get('loss', float('nan')):.4f}; val_loss "
+            f"done: step {self.step}/{self.cfg.train.max_steps}, {tok} tokens in {elapsed:.1f}s "
+            f"({tok / max(elapsed, 1e-9):.0f} tok/s); loss {metrics.get('loss', float('nan')):.4f}; val_loss "
             f"{_fmt(summary['val_loss_start'])} -> {_fmt(summary['val_loss_end'])}{self.logger.summary()}; "
             f"run dir {self.run_dir}")
         if self.ema is not None:
             self.ema.wait()
         self.logger.close()
-        return summary | {"last": metrics}
 
     def _save_once(self) -> Path:
         """Save the current step unless it is already saved."""

@@ -18,8 +18,26 @@ from ..dims import ParallelDims
 from .dispatch import AllToAllDispatcher, HierarchicalDispatcher
 
 
+def _alltoall(n_experts: int, dims: ParallelDims, fp8: bool) -> AllToAllDispatcher:
+    return AllToAllDispatcher(n_experts, dims.group("ep"), dims.ep_ranks_per_node, fp8=fp8)
+
+
+def _hierarchical(n_experts: int, dims: ParallelDims, fp8: bool):
+    """Node-limited two-hop routing when the EP group spans nodes; within one node it is the flat all-to-all."""
+    if dims.ep_nodes == 1:
+        return _alltoall(n_experts, dims, fp8)
+    return HierarchicalDispatcher(n_experts, dims.group("ep"), dims.group("ep_inter"), dims.group("ep_intra"),
+                                  fp8=fp8)
+
+
+# ``parallel.ep_dispatcher``: name -> builder(n_experts, dims, fp8). The config's allowed values come from here.
+DISPATCHERS = {"hierarchical": _hierarchical, "alltoall": _alltoall}
+
+
 def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchical",
              fp8_dispatch: bool = False) -> nn.Module:
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown dispatcher {dispatcher!r} ({' | '.join(DISPATCHERS)})")
     if fp8_dispatch:
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             dim = moe.gate.weight.shape[1]
@@ -37,14 +55,7 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
             setattr(experts, w, nn.Parameter(full.detach()[start:start + n_local].clone(),
                                                 requires_grad=full.requires_grad))
         experts.expert_offset = start   # global index of local expert 0
-        if dispatcher == "hierarchical" and dims.ep_nodes > 1:
-            moe.dispatcher = HierarchicalDispatcher(moe.n_experts, dims.group("ep"), dims.group("ep_inter"),
-                                                    dims.group("ep_intra"), fp8=fp8_dispatch)
-        elif dispatcher in ("hierarchical", "alltoall"):
-            moe.dispatcher = AllToAllDispatcher(moe.n_experts, dims.group("ep"), dims.ep_ranks_per_node,
-                                                fp8=fp8_dispatch)
-        else:
-            raise ValueError(f"unknown dispatcher {dispatcher!r} (hierarchical | alltoall)")
+        moe.dispatcher = DISPATCHERS[dispatcher](moe.n_experts, dims, fp8_dispatch)
         # used in error messages, e.g. "layers.3.ffn (EP group [0, 1, 2, 3])"
         moe.dispatcher.name = f"{name} (EP group {dims.group('ep_ranks')})"
     return model

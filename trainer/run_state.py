@@ -1,0 +1,138 @@
+"""A run's checkpoint state: what a save holds, resuming from it, checkpoint.init_from, the model-config check."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from errors import ConfigError
+from parallel.state_dict import to_global, to_local
+
+from .checkpoint import has_state
+from .metrics import RUN_ID_FILE
+from .startup import tokenizer_json
+
+
+def state_dict(trainer) -> dict:
+    """Weights and EMA (single-device names, global shapes), optimizer moments, step, tokens, LR position,
+    data position and RNG states."""
+    model_sd, _ = to_global(get_model_state_dict(trainer.model), {}, trainer.model, trainer.dims)
+    optim_sd = trainer.opt.state_dict()   # moments per parameter name, global shapes (DTensor pieces)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if trainer.device.type == "cuda":   # this rank's GPU only: touching the others would create contexts there
+        rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
+    extra = {"step": trainer.step, "tokens": trainer.tokens, "scheduler": {"last_epoch": trainer.scheduler.last_epoch},
+             "data": trainer.batches.state_dict(), "rng": rng}
+    state = {"model": model_sd, "optim": optim_sd, "extra": extra}
+    if trainer.ema is not None:   # single-device names and global shapes, like the weights: it reshards
+        state["ema"] = to_global(dict(trainer.ema.state_dict()), {}, trainer.model, trainer.dims)[0]
+    return state
+
+
+def resume(trainer, path: Path) -> None:
+    """Load the checkpoint ``path`` (verified at start-up) into ``trainer``, whatever its layout."""
+    check_model_config(trainer.cfg.model, path)
+    state = state_dict(trainer)
+    ema = trainer.ema
+    ema_saved = ema is not None and has_state(path, "ema")
+    if ema is not None and not ema_saved:
+        del state["ema"]   # train.ema_decay newly set: the EMA starts from the resumed weights
+    trainer.ckpt.load(path, state, verify=False)
+    set_model_state_dict(trainer.model, to_local(state["model"]))
+    if ema_saved:
+        ema.load_state_dict(to_local(state["ema"]))
+    elif ema is not None:
+        ema.reset()
+    trainer.opt.load_state_dict(state["optim"])   # after the weights: ZeRO rebuilds its master pieces from them
+    extra = state["extra"]
+    trainer.step, trainer.tokens = extra["step"], extra["tokens"]
+    restore_lr(trainer, int(extra["scheduler"]["last_epoch"]))
+    trainer.batches.load_state_dict(extra["data"])
+    torch.set_rng_state(extra["rng"]["torch"])
+    random.setstate(extra["rng"]["python"])
+    np.random.set_state(extra["rng"]["numpy"])
+    if "cuda" in extra["rng"] and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(extra["rng"]["cuda"], trainer.device)
+
+
+def restore_lr(trainer, last_epoch: int) -> None:
+    """The LR schedule is a function of the step: only its position is checkpointed (the number of
+    param groups depends on the optimizer layout, e.g. ZeRO buckets, so per-group state would not
+    carry over to another layout)."""
+    scheduler = trainer.scheduler
+    sd = scheduler.state_dict()
+    last_lr = [base * trainer._lr_multiplier(last_epoch) for base in scheduler.base_lrs]
+    sd.update(last_epoch=last_epoch, _step_count=last_epoch + 1, _last_lr=last_lr)
+    scheduler.load_state_dict(sd)
+    for group, lr in zip(trainer.opt.optimizer.param_groups, last_lr):
+        group["lr"] = lr
+
+
+def check_model_config(model_cfg, path: Path, key: str = "checkpoint.resume") -> None:
+    """``path``'s model_config.yaml equals ``model_cfg``, else one line naming ``key`` and the fix."""
+    saved_file = path / "model_config.yaml"
+    if not saved_file.is_file():
+        raise ConfigError(f"{key}: {path} has no model_config.yaml; not a checkpoint of this trainer")
+    same_model(model_cfg, yaml.safe_load(saved_file.read_text()), f"{key}: {path} was written with",
+               "use checkpoint.resume=none or another checkpoint.dir" if key == "checkpoint.resume" else None)
+
+
+def same_model(model_cfg, saved: dict, what: str, fix: str | None) -> None:
+    """Every model key equal to ``saved``'s, else one line naming the key, both values and the fix."""
+    for k, value in dataclasses.asdict(model_cfg).items():
+        if saved.get(k) != value:
+            raise ConfigError(f"{what} model.{k}={saved.get(k)!r}, this run has {value!r} ("
+                              + (fix or f"set model.{k}={saved.get(k)!r}, or a model preset that matches") + ")")
+
+
+def apply_init_from(trainer) -> str:
+    """checkpoint.init_from, unless the run resumes (then it has its own checkpoint); returns the log line."""
+    src = trainer.cfg.checkpoint.init_from
+    if trainer._resume_path is not None:
+        return (f"checkpoint.init_from={src} not applied: resuming from {trainer._resume_path} "
+                "(the run it started has a checkpoint)")
+    return init_weights_from(trainer, src)
+
+
+def init_weights_from(trainer, src: str) -> str:
+    """checkpoint.init_from: the model's weights and balancing biases from our checkpoint (any layout) or a
+    Hugging Face DeepseekV3 directory (each rank reads only its own tensors); returns the log line."""
+    path, model = Path(src).expanduser(), trainer.model
+    if (path / "config.json").is_file():
+        from models.hf import check_config, load_hf_into
+        check_config(trainer.cfg.model, path)   # by meaning: init_std / max_seq_len touch no weight
+        model.to_empty(device="cpu")    # built on meta (see Trainer.__init__): allocate what this rank keeps
+        model.init_weights()            # every tensor is then overwritten; buffers get defined values
+        stats = load_hf_into(model, path)   # this rank's tensors only (its stages, its experts' slice)
+        model.to(trainer.device)
+        return (f"initialised from Hugging Face weights {path} ({stats['tensors']} tensors, "
+                f"{stats['bytes'] / 2**20:.1f} MiB read on rank {trainer.dims.rank}; step 0, fresh optimizer)")
+    v = trainer.ckpt.verify(path)
+    if not v.ok:
+        raise ConfigError(f"checkpoint.init_from: {v.path} is not a loadable checkpoint: {v.first()} (point it at "
+                          "a step dir of ours, e.g. <dir>/step_00000100, or a Hugging Face model directory)")
+    check_model_config(trainer.cfg.model, path, "checkpoint.init_from")
+    state = {"model": to_global(get_model_state_dict(model), {}, model, trainer.dims)[0]}
+    trainer.ckpt.load(path, state, verify=False)   # model only: the optimizer, step and data start fresh
+    set_model_state_dict(model, to_local(state["model"]))
+    return f"initialised from {path} (model weights and balancing biases; step 0, fresh optimizer)"
+
+
+def checkpoint_files(trainer) -> dict[str, str]:
+    """The files a checkpoint carries beside its tensors: model config, run config, W&B run id, tokenizer."""
+    cfg = trainer.cfg
+    files = {"model_config.yaml": yaml.safe_dump(dataclasses.asdict(cfg.model), sort_keys=False),
+             "config.yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg))}
+    run_id = getattr(getattr(trainer, "logger", None), "run_id", None)   # rank 0's W&B run id: a resume continues it
+    if run_id:
+        files[RUN_ID_FILE] = run_id + "\n"
+    tokenizer = tokenizer_json(cfg, trainer.corpus)
+    if tokenizer:   # the checkpoint carries its tokenizer (tools.convert_hf export picks it up)
+        files["tokenizer.json"] = tokenizer
+    return files

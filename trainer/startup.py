@@ -1,0 +1,164 @@
+"""A run before its first step: the pre-flight verdict, the data, the model, and the log's start-up lines."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+import models
+from configs.schema import Config
+from errors import ConfigError
+from parallel.dims import ParallelDims
+from parallel.ep import apply_ep
+from parallel.pipeline.runner import PipelineRunner
+
+from .blend import BlendedBatches, blend_val_batches
+from .data import PackedBatches, load_corpus, val_batches
+from .metrics import MetricsLogger, saved_run_id
+from .schedules import batch_size_at
+
+
+def barrier(dims: ParallelDims) -> None:
+    if dims.world_size > 1:
+        torch.distributed.barrier()
+
+
+def preflight_all_ranks(cfg: Config, dims: ParallelDims, device: torch.device) -> str:
+    """trainer.preflight on every rank, one verdict for all: free memory differs per GPU, and a rank
+    that stopped alone would leave the others waiting for it at the next collective."""
+    from .preflight import preflight
+    try:
+        note, error = preflight(cfg, dims, device), None
+    except ConfigError as e:
+        note, error = "", e
+    if dims.world_size > 1:
+        flags = torch.zeros(dims.world_size, device=device)
+        flags[dims.rank] = float(error is not None)
+        torch.distributed.all_reduce(flags)
+        short = [r for r, f in enumerate(flags.tolist()) if f]
+        if short and error is None:
+            raise ConfigError(f"memory: rank(s) {', '.join(map(str, short))} lack the memory this run needs "
+                              f"(their own error line says how much); this rank: {note.removeprefix('memory: ')}")
+    if error is not None:
+        raise error
+    return note
+
+
+def load_corpus_rank0_first(cfg: Config, dims: ParallelDims):
+    """Rank 0 tokenizes (and caches) first; the others then read the cache."""
+    if not dims.is_main:
+        barrier(dims)
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    if dims.is_main:
+        barrier(dims)
+    return corpus
+
+
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: bool):
+    """The model (this rank's expert shard, FP8 layers with train.precision=fp8) and, with pp > 1, the
+    PipelineRunner that keeps this rank's stages. Returns (model, pipe or None), in train mode."""
+    t = cfg.train
+    model = apply_ep(models.build(cfg.model, device="meta" if on_meta else device, seed=t.seed), dims,
+                     dispatcher=cfg.parallel.ep_dispatcher, fp8_dispatch=cfg.parallel.fp8_dispatch)
+    if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
+        from parallel.fp8 import apply_fp8
+        apply_fp8(model)
+    pipe = None
+    if dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
+        n_micro = batch_size_at(t, 0) // (t.micro_batch_size * dims.dp)   # the first step's
+        pipe = PipelineRunner(model, dims, cfg.parallel.schedule, n_micro, cfg.parallel.pp_layout, device,
+                              cfg.parallel.overlap)
+    model.train()
+    return model, pipe
+
+
+def open_data(cfg: Config, dims: ParallelDims, corpus):
+    """(training batches, validation batches, validation batches per data.val_blend source)."""
+    d, t = cfg.data, cfg.train
+    if d.blend:
+        batches, val_sources = open_blend(cfg, dims)
+        return batches, [b for per_source in val_sources.values() for b in per_source], val_sources
+    batches = PackedBatches(corpus.train_tokens, d.seq_len, t.global_batch_size, t.seed,
+                            dp_rank=dims.dp_rank, dp_size=dims.dp)
+    return batches, val_batches(corpus.val_tokens, d.seq_len, t.micro_batch_size, t.eval_batches), {}
+
+
+def open_blend(cfg: Config, dims: ParallelDims):
+    """data.blend / data.val_blend: memory-mapped token datasets (trainer/tokens.py, trainer/blend.py)."""
+    from .tokens import open_tokens
+    d, t = cfg.data, cfg.train
+    opened = {}
+    for key in ("blend", "val_blend"):
+        srcs = [open_tokens(s.path) for s in getattr(d, key)]
+        names = [s.name or Path(s.path).name for s in getattr(d, key)]
+        opened[key] = (srcs, names)
+    everything = [(f"data.{k}[{i}]", s) for k, (srcs, _) in opened.items() for i, s in enumerate(srcs)]
+    tokenizers = {s.tokenizer_hash for _, s in everything if s.tokenizer_hash is not None}
+    if len(tokenizers) > 1:
+        listing = "; ".join(f"{k} {s.path}: {s.tokenizer_hash[:12]}" for k, s in everything if s.tokenizer_hash)
+        raise ConfigError(f"data.blend: the sources were tokenized with different tokenizers ({listing}); "
+                          "re-run tools.prepare_data with one tokenizer for all of them")
+    for k, s in everything:
+        if s.vocab_size is not None and s.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"{k}: {s.path} was tokenized with a vocabulary of {s.vocab_size}, more than "
+                              f"model.vocab_size ({cfg.model.vocab_size}); raise model.vocab_size")
+    srcs, names = opened["blend"]
+    batches = BlendedBatches(srcs, [s.weight for s in d.blend], names, d.seq_len, t.seed,
+                             dp_rank=dims.dp_rank, dp_size=dims.dp)
+    val = blend_val_batches(*opened["val_blend"], d.seq_len, t.micro_batch_size, t.eval_batches)
+    return batches, val
+
+
+def tokenizer_json(cfg: Config, corpus) -> str | None:
+    """The run's tokenizer as tokenizer.json text: the text corpus's, or the token datasets' own copy."""
+    if corpus is not None:
+        backend = getattr(corpus.tokenizer, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
+    for s in cfg.data.blend:
+        f = Path(s.path).expanduser() / "tokenizer" / "tokenizer.json"
+        if f.is_file():
+            return f.read_text()
+    return None
+
+
+def startup_lines(trainer) -> list[str]:
+    """What a cluster log needs first: run dir and resolved config, layout, parameter counts, data. Rank 0
+    also writes the resolved config and the tokenizer into the run dir (they travel with it)."""
+    from models.params import count_params
+    c, d, p, run_dir = trainer.cfg, trainer.dims, trainer.cfg.parallel, trainer.run_dir
+    if d.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(c)))
+        tokenizer = tokenizer_json(c, trainer.corpus)
+        if tokenizer:
+            (run_dir / "tokenizer.json").write_text(tokenizer)
+    n = count_params(models.build(c.model, device="meta"))
+    lines = [f"run dir {run_dir} (resolved config: {run_dir / 'config.yaml'})",
+             f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
+             f"{p.schedule}; zero {p.zero}; precision {c.train.precision}; device {trainer.device}",
+             f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
+             f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
+    if trainer.corpus is not None:
+        lines.append(trainer.corpus.summary(c.data.path or "embedded corpus (CPython's pydoc topics)"))
+    else:
+        b = trainer.batches
+        lines.append("data: blend of " + ", ".join(
+            f"{name} ({src.num_tokens:,} tokens, weight {w:g})" for name, src, w in zip(b.names, b.sources, b.weights))
+            + (f"; validation: {', '.join(trainer.val_sources)}" if trainer.val_sources else "; no validation"))
+    return lines
+
+
+def open_logger(trainer) -> MetricsLogger:
+    """The run's MetricsLogger, with the start-up lines, the memory lines, the start-up notes and the resume
+    line already written."""
+    cfg = trainer.cfg
+    logger = MetricsLogger(trainer.run_dir, cfg.logging.wandb, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                           cfg.train.max_steps, trainer.step, cfg.logging.progress, is_main=trainer.dims.is_main,
+                           device=trainer.device, world_size=trainer.dims.world_size,
+                           run_id=saved_run_id(trainer.resumed_from), log_every=cfg.logging.log_every)
+    for line in [*startup_lines(trainer), trainer.memory_note, trainer.memory.line(), *trainer.notes]:
+        if line:
+            logger.write(line)
+    if trainer.resumed_from:
+        logger.write(f"resumed from {trainer.resumed_from} at step {trainer.step}")
+    return logger
