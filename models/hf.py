@@ -35,8 +35,7 @@ plus about one checkpoint tensor. Export (``models/hf_export.py``): ``to_hf`` (o
 ``write_hf_index`` once; both write ``config.json`` and ``generation_config.json`` and, given a tokenizer, its
 files, with ``bos/eos/pad`` ids taken from it. Recipes: docs/hf.md.
 
-Config: see ``config_from_hf``/``config_to_hf``; what our model cannot express raises ``ModelError`` naming the
-key.
+Config: ``models/hf_config.py`` (what our model cannot express raises ``ModelError`` naming the key).
 """
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig, ModelError
-from .hf_config import config_from_hf
+from .hf_config import config_from_hf, mtp_depth_of
 from .moe import GroupedExperts
 from .transformer import DeepSeekV3, build
 
@@ -192,7 +191,7 @@ class _HFDir:
         self.block = tuple(quant.get("weight_block_size") or (128, 128))
 
     def config(self) -> ModelConfig:
-        return config_from_hf(self.hf_cfg, mtp_depth=_mtp_depth(self.hf_cfg, self.where))
+        return config_from_hf(self.hf_cfg, mtp_depth=mtp_depth_of(self.hf_cfg, self.where))
 
     def file_of(self, key: str, name: str) -> Path:
         file = self.where.get(key)
@@ -353,11 +352,9 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device="cp
 
 
 def from_hf(path_or_hf_model, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DeepSeekV3:
-    """Our model with the weights of an HF checkpoint directory or a ``transformers`` DeepseekV3ForCausalLM.
-
-    A directory: ``empty_model(config_from_hf_dir(dir))`` filled by ``load_hf_into(strict=True)``.
-    Parameters get ``dtype``; the balancing bias stays fp32.
-    """
+    """Our model with the weights of an HF checkpoint directory (``empty_model(config_from_hf_dir(dir))`` filled
+    by ``load_hf_into(strict=True)``) or of a ``transformers`` DeepseekV3ForCausalLM; parameters in ``dtype``, the
+    balancing bias fp32."""
     if not isinstance(path_or_hf_model, (str, os.PathLike)):
         model = empty_model(config_from_hf(path_or_hf_model.config, mtp_depth=0), dtype, device)
         _copy_in(model, path_or_hf_model.state_dict().items())
@@ -366,16 +363,6 @@ def from_hf(path_or_hf_model, dtype: torch.dtype = torch.float32, device: str | 
     model = empty_model(src.config(), dtype, device)
     load_hf_into(model, src, strict=True)
     return model
-
-
-def _mtp_depth(hf_cfg, keys) -> int:
-    """MTP modules the checkpoint holds: ``num_nextn_predict_layers`` if their layers are present, else 0."""
-    n, want = hf_cfg.num_hidden_layers, getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
-    found = {int(m[1]) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n}
-    if found and found != set(range(n, n + want)):
-        raise ModelError(f"HF config num_nextn_predict_layers={want} but the checkpoint holds layers "
-                          f"{sorted(found)} beyond num_hidden_layers={n}")
-    return want if found else 0
 
 
 def _unfuse(key: str, t: torch.Tensor):

@@ -4,6 +4,8 @@ need translating. What our model cannot express raises ``ModelError`` naming the
 the weights)."""
 from __future__ import annotations
 
+import re
+
 from .config import ModelConfig, ModelError
 
 _CONFIG = {  # ours -> HF, plain renames; the rest is handled in config_from_hf / config_to_hf
@@ -110,3 +112,14 @@ def _rope_from_hf(hf) -> dict:
                 original_max_seq_len=original, beta_fast=rp.get("beta_fast") or 32.0,
                 beta_slow=rp.get("beta_slow") or 1.0, mscale=rp.get("mscale") or 0.0,
                 mscale_all_dim=rp.get("mscale_all_dim") or 0.0)
+
+
+def mtp_depth_of(hf_cfg, keys) -> int:
+    """MTP modules a checkpoint whose tensor names are ``keys`` holds: ``num_nextn_predict_layers`` if their
+    layers are present, else 0."""
+    n, want = hf_cfg.num_hidden_layers, getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0
+    found = {int(m[1]) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= n}
+    if found and found != set(range(n, n + want)):
+        raise ModelError(f"HF config num_nextn_predict_layers={want} but the checkpoint holds layers "
+                          f"{sorted(found)} beyond num_hidden_layers={n}")
+    return want if found else 0
