@@ -1,4 +1,5 @@
 """Multi-process test harness: ``torch.multiprocessing.spawn`` + gloo + a file rendezvous in a tmp dir."""
+import gc
 import os
 from datetime import timedelta
 
@@ -15,6 +16,10 @@ def _entry(rank, world_size, store_path, fn, args, timeout_s):
     try:
         fn(rank, world_size, *args)
     finally:
+        # Drop what ``fn`` left in reference cycles (a Trainer, its dispatchers and optimizer hold process groups)
+        # so that destroying the groups joins their worker threads now: a gloo worker that releases a finished
+        # work's tensors after the interpreter began shutting down aborts the process (std::terminate).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -62,6 +62,19 @@ def _shared_run_dir(run_dir: str, dims) -> str:
     return box[0]
 
 
+def _shut_down_groups(dims) -> None:
+    """Barrier, then destroy every process group with nothing else holding it, so each group's worker
+    threads are joined now. A gloo worker that frees a finished collective's tensors after the interpreter
+    began shutting down aborts the process (std::terminate: SIGABRT after a successful run)."""
+    import gc
+
+    import torch.distributed as dist
+    dist.barrier()
+    dims.groups.clear()
+    gc.collect()          # the run's objects in reference cycles (modules, hooks) that still hold a group
+    dist.destroy_process_group()
+
+
 @hydra.main(version_base=None, config_path="pkg://configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -89,9 +102,8 @@ def main(dcfg: DictConfig) -> None:
     except BaseException:             # a bug or an unexpected failure: this rank's traceback, at once
         _exit_now(f"rank {dims.rank}: training failed:\n{traceback.format_exc()}", EXIT_FAILED)
     if dims.world_size > 1:
-        import torch.distributed as dist
-        dist.barrier()
-        dist.destroy_process_group()
+        del trainer           # its dispatchers, optimizer and pipeline hold process groups
+        _shut_down_groups(dims)
     if summary.get("stopped"):
         sys.exit(EXIT_STOPPED)
     # Done: return (exit code 0). Launchers that run this function in their own process (Hydra's submitit
