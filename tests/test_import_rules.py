@@ -66,6 +66,16 @@ def _inside(name: str, *pkgs: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in pkgs)
 
 
+def test_every_installed_package_is_packaged():
+    """``pip install`` ships only the packages pyproject.toml names; a new top-level package missing there
+    imports from the repository root (tests, CI) but not from an installed copy."""
+    import fnmatch
+    import tomllib
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = [p for p in PACKAGES if p != "bench"]   # bench/ runs from a checkout
+    assert [p for p in shipped if not any(fnmatch.fnmatch(p, pat) for pat in include)] == []
+
+
 def test_sources_were_found():
     assert {"models.moe", "kernels.quant", "errors", "parallel.dims", "configs.schema", "trainer.train",
             f"{SCHEDULES}.dualpipe"} <= set(SOURCES)
