@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from errors import ConfigError
 from parallel.ep.apply import DISPATCHERS as EP_DISPATCHERS
+from parallel.zero import MOMENT_DTYPES as ZERO_MOMENT_DTYPES
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -24,7 +25,7 @@ DISPATCHERS = tuple(EP_DISPATCHERS)            # parallel.ep_dispatcher
 ZERO_BACKENDS = ("native", "deepspeed")          # parallel.zero_backend
 DECAYS = ("cosine", "constant", "phases")        # optim.decay
 LR_SHAPES = ("constant", "linear", "cosine")     # optim.phases[i].shape
-MOMENT_DTYPES = ("auto", "bf16", "fp32")         # optim.moment_dtype
+MOMENT_DTYPES = ("auto", *ZERO_MOMENT_DTYPES)    # optim.moment_dtype: auto or a dtype parallel/zero keeps
 WANDB_MODES = ("offline", "online", "disabled")  # logging.wandb.mode
 
 
