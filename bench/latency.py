@@ -5,12 +5,14 @@
 token-row transfers take ``latency_s`` on the wire: every one over the flat EP group
 (``AllToAllDispatcher``), the inter-node hops of ``HierarchicalDispatcher``; count and id exchanges are
 not delayed. The latency is a deadline: a transfer launched at t arrives at t + latency, and waiting
-for it sleeps only what is left (``Deadline``), so compute done in between hides it. The autograd path
-(``dispatch`` / ``combine``) waits at once and pays it all, forward and backward.
+for it sleeps only what is left (``Deadline``), so compute done in between hides it. A forward driven
+straight through (each cut's link exchanged at once, forward and backward) pays it all; so does the FP8
+hierarchical route, whose ``dispatch`` / ``combine`` run synchronously with autograd.
 """
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -20,10 +22,11 @@ from parallel.ep.dispatch import AllToAllDispatcher, HierarchicalDispatcher
 
 class Deadline:
     """A transfer handle that arrives ``latency_s`` after it was wrapped (right after its launch).
-    ``injected_s``: read by ``parallel.pipeline.overlap.run_pair``'s timings."""
+    ``injected_s``: read by ``parallel.pipeline.overlap.run_pair``'s timings. ``on_sleep`` gets the seconds
+    ``wait()`` slept (the dispatcher's stats count them as time blocked on the transfer)."""
 
-    def __init__(self, handle, latency_s: float):
-        self.handle, self.injected_s = handle, latency_s
+    def __init__(self, handle, latency_s: float, on_sleep=None):
+        self.handle, self.injected_s, self.on_sleep = handle, latency_s, on_sleep
         self.due = time.perf_counter() + latency_s
 
     def wait(self):
@@ -31,12 +34,14 @@ class Deadline:
         left = self.due - time.perf_counter()
         if left > 0:
             time.sleep(left)
+            if self.on_sleep is not None:
+                self.on_sleep(left)
         return out
 
 
 class _Latency:
-    """Over a dispatcher class: the autograd calls pay the latency once per call, forward (counted in the
-    dispatcher's stats, as the time of a blocking transfer) and backward."""
+    """Over the hierarchical dispatcher: its synchronous FP8 route's calls pay the latency once per call,
+    forward (counted in the dispatcher's stats, as the time of a blocking transfer) and backward."""
     latency_s = 0.0
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
@@ -55,15 +60,18 @@ class _Latency:
         return t
 
 
-class AllToAllWithLatency(_Latency, AllToAllDispatcher):
+class AllToAllWithLatency(AllToAllDispatcher):
+    latency_s = 0.0
+
     def start(self, rows, plan, direction):
-        return Deadline(super().start(rows, plan, direction), self.latency_s)
+        kind = "combine_s" if direction.startswith("combine") else "dispatch_s"
+        return Deadline(super().start(rows, plan, direction), self.latency_s, partial(self.stats.add_time, kind))
 
 
 class HierarchicalWithLatency(_Latency, HierarchicalDispatcher):
-    def start(self, rows, out_splits, in_splits, hop, *args, **kwargs):
-        handle = super().start(rows, out_splits, in_splits, hop, *args, **kwargs)
-        return Deadline(handle, self.latency_s) if hop == "inter" else handle
+    def start(self, rows, out_splits, in_splits, hop, count=None, stat: str = "dispatch_s"):
+        handle = super().start(rows, out_splits, in_splits, hop, count, stat)
+        return Deadline(handle, self.latency_s, partial(self.stats.add_time, stat)) if hop == "inter" else handle
 
 
 def with_latency(dispatcher, latency_s: float):

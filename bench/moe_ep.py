@@ -4,9 +4,9 @@
 
 For each EP size, ``ep`` processes each run forward+backward of one MoE layer on their own
 ``--tokens`` tokens (weak scaling: every rank brings a full micro-batch) and report aggregate
-tokens/s and the share of step time spent in dispatch+combine (the all-to-alls and their
-permutations, measured inside the dispatcher). On a 2-core machine EP=4 oversubscribes the cores;
-compare numbers only within one machine.
+tokens/s and the share of step time spent in dispatch+combine (the dispatcher's ``DispatchStats``:
+planning, launching and waiting for the all-to-alls, forward and backward). On a 2-core machine EP=4
+oversubscribes the cores; compare numbers only within one machine.
 """
 from __future__ import annotations
 

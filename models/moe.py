@@ -1,9 +1,11 @@
 """DeepSeekMoE: shared experts + fine-grained routed experts, sigmoid gate, group(node)-limited routing,
 aux-loss-free bias balancing and the complementary sequence-wise balance loss.
 
-The experts never move tokens themselves: the layer hands tokens to ``self.dispatcher``
-(``dispatch`` -> grouped expert compute -> ``combine``). The default ``LocalDispatcher`` is the
-single-device reference; expert parallelism (``parallel/``) swaps it for a communicating one.
+The experts never move tokens themselves: the layer hands its tokens, routing and experts to
+``self.dispatcher.route`` (dispatch -> grouped expert compute -> combine), a generator that yields a ``Cut``
+wherever rows travel (``models/steps.py``). ``MoE.forward`` drives it straight through; a pipeline drives
+it piecewise. The default ``LocalDispatcher`` is the single-device reference; expert parallelism
+(``parallel/``) swaps it for a communicating one.
 
 Shape legend: T tokens (batch*seq flattened), D hidden, E routed experts, K experts per token,
 G groups, R = T*K routed token copies, F expert intermediate size.
@@ -18,6 +20,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import MLP
+from .steps import Cut, LocalLink, Steps, carrying, drive
 
 
 class Gate(nn.Module):
@@ -113,10 +116,19 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, std=std)
 
 
+def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """Expert outputs sorted by expert (``order`` sorted the T*K copies) back in (token, k) order,
+    weighted by the gate and summed over k -> ``[T, D]``. A gather, not ``index_add``: deterministic."""
+    T, K = w_TK.shape
+    y_TKD = y_sorted[torch.argsort(order)].view(T, K, y_sorted.shape[-1])
+    return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+
+
 class LocalDispatcher:
     """Single-device reference dispatcher: sort token copies by expert, un-sort and weight-sum back.
 
-    Deterministic (a gather, not ``index_add``), and dropless.
+    Deterministic (a gather, not ``index_add``), and dropless. ``route`` cuts where an expert-parallel
+    dispatcher's all-to-alls are, with nothing in flight (``LocalLink``).
     """
 
     def __init__(self, n_experts: int):
@@ -134,9 +146,16 @@ class LocalDispatcher:
 
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         order_R, w_TK = handle
-        T, K = w_TK.shape
-        y_TKD = y_RD[torch.argsort(order_R)].view(T, K, y_RD.shape[-1])
-        return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+        return unsort_and_weight(y_RD, order_R, w_TK)
+
+    def route(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+              experts: nn.Module) -> Steps:
+        """dispatch | experts | combine, as steps; returns ``y_TD``. The gate weights cross the cuts."""
+        x_RD, tokens_per_expert, (order_R, w_TK) = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+        (w_TK,), (x_RD,) = yield Cut((w_TK,), [x_RD], LocalLink())
+        y_RD = experts(x_RD, tokens_per_expert)
+        (w_TK,), (y_RD,) = yield Cut((w_TK,), [y_RD], LocalLink())
+        return self.combine(y_RD, (order_R, w_TK))
 
 
 def sequence_balance_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) -> torch.Tensor:
@@ -168,18 +187,32 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None   # sequence-wise balance loss of the last training forward
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return drive(self.steps(x_BTD))[0]
+
+    def steps(self, x_BTD: torch.Tensor) -> Steps:
+        """The layer as steps, cut wherever the dispatcher moves tokens. Returns ``(y, balance loss)``
+        (the loss is None outside training); the layer input and the loss cross the cuts."""
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         topk_idx_TK, topk_w_TK, scores_TE = self.gate(x_TD)
-        if self.training:
-            self.aux_loss = sequence_balance_loss(scores_TE.view(B, T, -1), topk_idx_TK.view(B, T, -1))
-            with torch.no_grad():
-                self.tokens_per_expert += expert_counts(topk_idx_TK, self.n_experts)
-        x_RD, tokens_per_expert, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, topk_w_TK)
-        y_TD = self.dispatcher.combine(self.experts(x_RD, tokens_per_expert), handle)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
-        return y_TD.view(B, T, D)
+        aux = self.balance(scores_TE.view(B, T, -1), topk_idx_TK.view(B, T, -1))
+        routed = self.dispatcher.route(x_TD, topk_idx_TK, topk_w_TK, self.experts)
+        y_TD, (x_TD, aux) = yield from carrying(routed, (x_TD, aux))
+        return self.post_combine(y_TD, x_TD).view(B, T, D), aux
+
+    def balance(self, scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) -> torch.Tensor | None:
+        """In training: count the routed copies per expert (for the bias update) and return the
+        sequence-wise balance loss (also kept as ``self.aux_loss``). None otherwise."""
+        if not self.training:
+            return None
+        self.aux_loss = sequence_balance_loss(scores_BTE, topk_idx_BTK)
+        with torch.no_grad():
+            self.tokens_per_expert += expert_counts(topk_idx_BTK, self.n_experts)
+        return self.aux_loss
+
+    def post_combine(self, y_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The combined routed output plus the shared experts' output on the layer input."""
+        return y_TD if self.shared_experts is None else y_TD + self.shared_experts(x_TD)
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor, gamma: float) -> None:

@@ -1,6 +1,9 @@
 """The DeepSeek-V3 model: embedding -> blocks (dense FFN first, then MoE) -> norm -> head, plus MTP.
 
 Single-device PyTorch: no process groups here. Parallel layouts transform a built model (``parallel/``).
+The forward of a MoE block, of an MTP module and of the loss is written once, as steps that stop at the
+dispatcher's boundaries (``models/steps.py``): ``forward`` / ``compute_loss`` drive them straight through,
+a pipeline stage drives its part of the model (``span_steps``) piecewise.
 Shape legend: B batch, T sequence, D hidden, V vocab.
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ from .attention import MLA
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
 from .moe import MoE
+from .steps import Steps, carrying, drive
 
 
 class Block(nn.Module):
@@ -27,8 +31,24 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if cfg.is_moe_layer(layer_id) else MLP(cfg.dim, cfg.inter_dim)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), rope)
-        return x_BTD + self.ffn(self.ffn_norm(x_BTD))
+        if isinstance(self.ffn, MoE):
+            return drive(self.steps(x_BTD, rope))[0]
+        h = self.attention(x_BTD, rope)
+        return h + self.ffn(self.ffn_norm(h))
+
+    def attention(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The residual stream after attention."""
+        return x_BTD + self.attn(self.attn_norm(x_BTD), rope)
+
+    def steps(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              aux: torch.Tensor | None = None) -> Steps:
+        """The block as steps. ``aux``: the balance losses so far; returns ``(out, aux + this block's)``.
+        A dense block has no cut and runs as one ``forward`` call."""
+        if not isinstance(self.ffn, MoE):
+            return self(x_BTD, rope), aux
+        h = self.attention(x_BTD, rope)
+        (y, own), (h, aux) = yield from carrying(self.ffn.steps(self.ffn_norm(h)), (h, aux))
+        return h + y, _add(aux, own)
 
 
 class MTPModule(nn.Module):
@@ -46,8 +66,16 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, rope) -> torch.Tensor:
+        return drive(self.steps(h_BTD, emb_BTD, rope))[0]
+
+    def steps(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, rope, aux: torch.Tensor | None = None) -> Steps:
+        """As ``Block.steps``: returns ``(h_k, aux + the block's balance loss)``."""
         x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
-        return self.block(x, rope)
+        return (yield from self.block.steps(x, rope, aux))
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 @dataclass
@@ -71,11 +99,7 @@ class DeepSeekV3(nn.Module):
     # ---- forward paths -------------------------------------------------------------------------
     def hidden(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Final residual stream of the main model (before the final norm)."""
-        rope = rope_cos_sin(self.cfg, input_ids_BT.shape[1], input_ids_BT.device)
-        h = self.embed(input_ids_BT)
-        for layer in self.layers:
-            h = layer(h, rope)
-        return h
+        return drive(span_steps(self.cfg, input_ids_BT, embed=self.embed, blocks=self.layers))[0]
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` of the main head (MTP modules are not run)."""
@@ -84,11 +108,11 @@ class DeepSeekV3(nn.Module):
     def compute_loss(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor,
                      mtp_weight: float = 0.0, aux_alpha: float = 0.0) -> LossOutput:
         """Training objective. ``labels[:, i]`` is the token after ``input_ids[:, i]``."""
-        h = self.hidden(input_ids_BT)
-        loss, lm_loss, mtp_loss = head_loss(h, input_ids_BT, labels_BT, mtp_weight, cfg=self.cfg, norm=self.norm,
-                                            head=self.head, embed=self.embed, mtp=self.mtp)
-        aux_loss = moe_aux_loss(self.moe_layers(), aux_alpha) if self.training else lm_loss.new_zeros(())
-        if aux_alpha and self.training:
+        loss, (lm_loss, mtp_loss), aux = drive(span_steps(
+            self.cfg, input_ids_BT, labels_BT, embed=self.embed, blocks=self.layers, mtp_weight=mtp_weight,
+            tail=Tail(self.norm, self.head, self.mtp, self.embed)))
+        aux_loss = aux_alpha * aux if aux is not None else lm_loss.new_zeros(())
+        if aux_alpha and aux is not None:
             loss = loss + aux_loss
         return LossOutput(loss, lm_loss.detach(), mtp_loss.detach(), aux_loss.detach())
 
@@ -115,36 +139,59 @@ def _ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten())
 
 
-def head_loss(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, mtp_weight: float, *,
-              cfg: ModelConfig, norm: nn.Module, head: nn.Module, embed: nn.Module, mtp: nn.ModuleList
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LM loss from the main model's final residual stream, plus the MTP modules' losses.
+@dataclass
+class Tail:
+    """The loss end of the model: final norm, output head, MTP modules and the embedding MTP reads (the
+    main model's; a pipeline's last stage may hold a tied copy or borrow the first stage's; None without MTP)."""
+    norm: nn.Module
+    head: nn.Module
+    mtp: nn.ModuleList
+    embed: nn.Module | None
+
+
+def span_steps(cfg: ModelConfig, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
+               x_BTD: torch.Tensor | None = None, *, embed: nn.Module | None = None, blocks=(),
+               tail: Tail | None = None, mtp_weight: float = 0.0) -> Steps:
+    """A contiguous part of the model as steps: the embedding of ``input_ids`` (``embed``) or the hidden
+    states ``x``, then ``blocks``, then with ``tail`` the loss (``head_loss_steps``). The whole model is
+    one span; a pipeline stage is another. Returns ``(out, parts, aux)``: the hidden states and None, or
+    the loss and ``(lm, mtp)``; ``aux`` is the sum of the blocks' balance losses (None outside training)."""
+    h = embed(input_ids_BT) if embed is not None else x_BTD
+    rope = rope_cos_sin(cfg, input_ids_BT.shape[1], input_ids_BT.device)
+    aux = None
+    for block in blocks:
+        h, aux = yield from block.steps(h, rope, aux)
+    if tail is None:
+        return h, None, aux
+    loss, lm_loss, mtp_loss, aux = yield from head_loss_steps(h, input_ids_BT, labels_BT, mtp_weight, aux,
+                                                              cfg=cfg, tail=tail)
+    return loss, (lm_loss, mtp_loss), aux
+
+
+def head_loss_steps(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, mtp_weight: float,
+                    aux: torch.Tensor | None = None, *, cfg: ModelConfig, tail: Tail) -> Steps:
+    """LM loss from the main model's final residual stream, plus the MTP modules' losses, as steps.
 
     MTP depth k uses positions ``i < T-k``: it sees ``Emb(input_ids[:, i+k])`` and predicts
     ``labels[:, i+k]`` (the token k+1 steps ahead of position i). Returns ``(lm + mtp_weight * mtp,
-    lm, mtp)`` where ``mtp`` is the mean cross-entropy over the depths (0 without MTP). Shared by the
-    whole model and by the last pipeline stage.
+    lm, mtp, aux)`` where ``mtp`` is the mean cross-entropy over the depths (0 without MTP) and ``aux``
+    has the MTP blocks' balance losses added.
     """
-    lm_loss = _ce(head(norm(h_BTD)), labels_BT)
+    lm_loss = _ce(tail.head(tail.norm(h_BTD)), labels_BT)
     T = input_ids_BT.shape[1]
-    mtp_losses = []
+    mtp_losses: list[torch.Tensor] = []
     h = h_BTD
-    for k, module in enumerate(mtp, start=1):
+    for k, module in enumerate(tail.mtp, start=1):
         if T - k <= 0:
             break
         rope = rope_cos_sin(cfg, T - k, h.device)
-        h = module(h[:, :T - k], embed(input_ids_BT[:, k:]), rope)
-        mtp_losses.append(_ce(head(module.norm(h)), labels_BT[:, k:]))
+        module_steps = module.steps(h[:, :T - k], tail.embed(input_ids_BT[:, k:]), rope, aux)
+        (h, aux), (lm_loss, *mtp_losses) = yield from carrying(module_steps, (lm_loss, *mtp_losses))
+        mtp_losses.append(_ce(tail.head(module.norm(h)), labels_BT[:, k:]))
     if not mtp_losses:
-        return lm_loss, lm_loss, lm_loss.new_zeros(())
+        return lm_loss, lm_loss, lm_loss.new_zeros(()), aux
     mtp_loss = torch.stack(mtp_losses).mean()
-    return lm_loss + mtp_weight * mtp_loss, lm_loss, mtp_loss
-
-
-def moe_aux_loss(moe_layers: list[MoE], aux_alpha: float) -> torch.Tensor | float:
-    """``aux_alpha`` x the sum of the layers' sequence-wise balance losses from their last forward."""
-    aux = [m.aux_loss for m in moe_layers if m.aux_loss is not None]
-    return aux_alpha * torch.stack(aux).sum() if aux else torch.zeros(())
+    return lm_loss + mtp_weight * mtp_loss, lm_loss, mtp_loss, aux
 
 
 def build(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> DeepSeekV3:

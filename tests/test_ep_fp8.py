@@ -55,7 +55,9 @@ def moe_cfg(ep_nodes: int) -> ModelConfig:
 
 class WireLog:
     """Within ``with``: records (phase, dtype, shape) of every input handed to ``all_to_all_single``; the phase
-    is "dispatch" / "combine" inside ``disp``'s calls (launches included), "other" elsewhere (the backward)."""
+    is "dispatch" / "combine" inside ``disp``'s forward calls (launches included: the hierarchical FP8
+    ``_dispatch`` / ``_combine``, the flat dispatcher's ``start`` in those directions), "other" elsewhere
+    (the backward)."""
 
     def __init__(self, disp):
         self.disp, self.calls, self.phase = disp, [], "other"
@@ -67,9 +69,12 @@ class WireLog:
             self.calls.append((self.phase, input.dtype, tuple(input.shape)))
             return orig(output, input, *args, **kwargs)
         dist.all_to_all_single = record
-        for attr, phase in (("_dispatch", "dispatch"), ("_combine", "combine")):
-            def wrapped(*a, _fn=getattr(self.disp, attr), _phase=phase, **kw):
-                self.phase = _phase
+        flat = isinstance(self.disp, AllToAllDispatcher)
+        self.hooked = ("start",) if flat else ("_dispatch", "_combine")
+        for attr in self.hooked:
+            def wrapped(*a, _fn=getattr(self.disp, attr), _attr=attr, **kw):
+                phase = a[2] if flat else _attr[1:]   # start(rows, plan, direction)
+                self.phase = phase if phase in ("dispatch", "combine") else "other"
                 try:
                     return _fn(*a, **kw)
                 finally:
@@ -79,7 +84,8 @@ class WireLog:
 
     def __exit__(self, *exc):
         dist.all_to_all_single = self._orig
-        del self.disp._dispatch, self.disp._combine
+        for attr in self.hooked:
+            delattr(self.disp, attr)
 
     def of(self, phase):
         return [(dt, shape) for p, dt, shape in self.calls if p == phase]

@@ -15,13 +15,29 @@ from parallel.dims import ParallelDims
 from parallel.ep import AllToAllDispatcher, apply_ep
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.p2p import PipeChannels
-from parallel.pipeline.overlap import _route_of, run, run_pair
+from parallel.pipeline.overlap import run, run_pair
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.schedules.actions import Kind
 from parallel.pipeline.stages import build_stages, prune_model
 
 from .dist_utils import rel_err, spawn
 from .test_pipeline_parity import CFG, cos_dist
+
+
+def _cuts(moe, dim) -> int:
+    """How many times the layer's forward stops for its dispatcher (drives its steps straight through on a
+    small batch, in eval mode under no_grad: no load counted; every rank of the EP group runs it alike)."""
+    moe.eval()
+    steps, value, n = moe.steps(torch.randn(1, 4, dim, generator=torch.Generator().manual_seed(3))), None, 0
+    with torch.no_grad():
+        while True:
+            try:
+                cut = steps.send(value)
+            except StopIteration:
+                break
+            n, value = n + 1, (cut.carry, cut.link(cut.sends))
+    moe.train()
+    return n
 
 
 def _run(cfg, dims, schedule, n_mb, mbs, overlap, dispatcher, latency_s):
@@ -32,7 +48,7 @@ def _run(cfg, dims, schedule, n_mb, mbs, overlap, dispatcher, latency_s):
                                                 fp8=dispatcher == "solo-fp8")
     add_latency(model, latency_s)
     for moe in model.moe_layers():   # every MoE layer is cut at its all-to-alls (none runs as one piece)
-        assert _route_of(moe) is not None, type(moe.dispatcher)
+        assert _cuts(moe, cfg.dim) >= 2, type(moe.dispatcher)
     sched = get_schedule(schedule, dims.pp, n_mb)
     stages = build_stages(model, sched, dims.pp_rank)
     prune_model(model, stages)

@@ -79,14 +79,17 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 
 def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, pending: Pending,
-                     fp8: bool = False, on_send: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-    """Launch an uneven all-to-all of ``x`` outside autograd (``x`` is read detached); the returned tensor
-    is valid after ``pending.wait()``. ``fp8``: the rows travel as E4M3 bytes + power-of-2 scales and are
-    dequantised to ``x.dtype`` in ``wait()`` (as ``all_to_all_fp8``). Used by the piecewise pipeline
-    execution (``parallel.pipeline.overlap``), which issues the gradients' all-to-alls itself."""
+                     fp8: bool = False, on_send: Callable[[torch.Tensor], None] | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch an uneven all-to-all of ``x[rows]`` (all of ``x`` when None) outside autograd (``x`` is read
+    detached); the returned tensor is valid after ``pending.wait()``. ``fp8``: the rows travel as E4M3
+    bytes + power-of-2 scales, quantised before the row gather (once per row of ``x``), and are dequantised
+    to ``x.dtype`` in ``wait()`` (as ``all_to_all_fp8``). Used by the dispatchers' cut links."""
     x = x.detach()
     if fp8:
         q, s = quant_rows(x)
+        if rows is not None:
+            q, s = q[rows], s[rows]
         q_out = q.new_empty((sum(out_splits), q.shape[1]))
         s_out = s.new_empty((sum(out_splits), s.shape[1]))
         if on_send is not None:
@@ -100,7 +103,7 @@ def start_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int
             out.copy_(dequant_rows(q_out, s_out, out.dtype))
         pending.add(w_q, w_s, then=land)
         return out
-    x = x.contiguous()
+    x = (x if rows is None else x[rows]).contiguous()
     if on_send is not None:
         on_send(x)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))

@@ -1,12 +1,11 @@
-"""Expert-parallel dispatchers. Same interface as ``models.moe.LocalDispatcher`` (the reference):
+"""Expert-parallel dispatchers. The same interface as ``models.moe.LocalDispatcher`` (the reference):
 
-    dispatch(x_TD, topk_idx_TK, topk_weight_TK) -> (x_RD, tokens_per_local_expert [E_local], handle)
-    combine(y_RD, handle) -> y_TD
+    route(x_TD, topk_idx_TK, topk_weight_TK, experts) -> steps (models/steps.py) returning y_TD
 
-``x_RD`` holds the token copies this rank's experts must process, sorted by local expert. Both calls
-are autograd-correct (gradients flow to x and to the gate weights). The piecewise pipeline execution
-(``parallel.pipeline.overlap``) uses the dispatchers' ``plan`` / ``start`` split instead, so that it can
-compute while the tokens travel.
+``route`` plans where the token copies go, then yields a ``Cut`` at every all-to-all: its link exchanges
+the rows at once with autograd when the forward is driven straight through (``MoE.forward``), or is
+launched asynchronously, with a reverse for the gradients, when a pipeline drives it piecewise
+(``parallel.pipeline.overlap``). The experts compute between the cuts; the code is the same either way.
 
 * ``AllToAllDispatcher``: one flat uneven all-to-all over the EP group (one copy per (token, expert)).
 * ``HierarchicalDispatcher`` (node-limited): a token crosses to each target node **once** — to the
@@ -17,23 +16,27 @@ compute while the tokens travel.
 ``fp8=True`` (DeepSeek-V3's FP8 dispatch): the dispatched token rows travel as E4M3 bytes (sent as
 ``uint8``) plus one power-of-2 FP32 scale per 1x128 tile (``comm.fp8_route``), and are dequantised to the
 input dtype where the experts run. The hierarchical dispatcher quantises once, before the inter-node hop,
-and the forwarding rank passes the bytes and scales on unchanged. Combine stays in the activation dtype
-(BF16 under autocast). Backward is straight-through: the dispatch gradient goes back unquantised. Needs
-D % 128 == 0. Gate weights, expert ids and counts are sent as before.
+and the forwarding rank passes the bytes and scales on unchanged: one route across both hops, so it has no
+cut (its ``dispatch`` / ``combine`` run synchronously with autograd, nothing hidden). Combine stays in the
+activation dtype (BF16 under autocast). Backward is straight-through: the dispatch gradient goes back
+unquantised. Needs D % 128 == 0. Gate weights, expert ids and counts are sent as before.
 
 Shape legend: T tokens, K experts per token, D hidden, E experts (global), R received copies, N nodes.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from models.moe import expert_counts
+from models.moe import expert_counts, unsort_and_weight
+from models.steps import Cut, Steps
 
-from .comm import Hop, Pending, all_to_all, all_to_all_fp8, exchange_counts, fp8_route, named_errors, start_all_to_all
+from .comm import Hop, Pending, all_to_all, exchange_counts, fp8_route, named_errors, start_all_to_all
+from .links import FlatLink, Handle, HopLink
 
 
 @dataclass
@@ -64,38 +67,18 @@ class DispatchStats:
     def count_combine(self, t: torch.Tensor) -> None:
         self.combine_bytes += t.numel() * t.element_size()
 
-
-class _Handle:
-    def __init__(self, finish, pending: Pending, name: str = "moe", rank: int = 0, on_wait=None):
-        self._finish, self._pending, self._name, self._rank = finish, pending, name, rank
-        self._on_wait = on_wait   # called with the seconds ``wait()`` blocked
-
-    def wait(self):
-        t0 = time.perf_counter()
-        with named_errors(self._name, self._rank):
-            self._pending.wait()
-            out = self._finish()
-        if self._on_wait is not None:
-            self._on_wait(time.perf_counter() - t0)
-        return out
+    def add_time(self, kind: str, seconds: float) -> None:
+        """``kind``: ``dispatch_s`` or ``combine_s``. The host's time in the transfers: planning, launching
+        and blocking on them (forward and backward); what overlapped with other work is not counted."""
+        setattr(self, kind, getattr(self, kind) + seconds)
 
 
 class _DispatcherBase:
-    """Shared by the dispatchers: a layer name for error messages and the error wrapping of each call."""
+    """Shared by the dispatchers: a layer name for error messages (``apply_ep`` sets it)."""
     name = "moe"
 
-    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
-        with named_errors(self.name, dist.get_rank()):
-            handle = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-        return handle.wait()
-
-    def combine(self, y_RD, handle):
-        with named_errors(self.name, dist.get_rank()):
-            handle = self._combine(y_RD, handle)
-        return handle.wait()
-
-    def _handle(self, finish, pending) -> _Handle:
-        return _Handle(finish, pending, self.name, dist.get_rank())
+    def _handle(self, finish, pending) -> Handle:
+        return Handle(finish, pending, self.name, dist.get_rank())
 
 
 @dataclass
@@ -131,13 +114,6 @@ class ForwardPlan:
     out2: list[int]
     perm: torch.Tensor         # received copies (grouped by source) -> grouped by local expert
     tokens_per_expert: torch.Tensor
-
-
-def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-    """Expert outputs back in (token, k) order, weighted by the gate and summed over k -> ``[T, D]``."""
-    T, K = w_TK.shape
-    y_TKD = y_sorted[torch.argsort(order)].view(T, K, y_sorted.shape[-1])
-    return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
 
 
 def _sort_source_major_to_expert_major(recv_counts_SE: torch.Tensor, n_rows: int) -> torch.Tensor:
@@ -181,60 +157,47 @@ class AllToAllDispatcher(_DispatcherBase):
         perm = _sort_source_major_to_expert_major(recv_counts, sum(out_splits))
         return RoutePlan(order, K, in_splits, out_splits, perm, recv_counts.sum(0))
 
-    def start(self, rows: torch.Tensor, plan: RoutePlan, direction: str) -> _Handle:
-        """Launch one all-to-all of the plan outside autograd; ``wait()`` on the handle gives the rows.
+    def start(self, rows: torch.Tensor, plan: RoutePlan, direction: str) -> Handle:
+        """Launch one all-to-all of the plan outside autograd; ``wait()`` on the handle gives ``[received]``.
 
-        ``dispatch``: token copies (sorted by global expert) -> the expert ranks (received grouped by
-        source; FP8 when ``fp8``); ``combine``: expert outputs (in that received order) -> back to the
-        source ranks (sorted by global expert); ``dispatch_grad`` / ``combine_grad``: the gradients of
-        those, travelling the reverse way (never quantised: the FP8 backward is straight-through)."""
+        ``dispatch``: ``rows`` = the T token rows; one copy per (token, chosen expert) goes to its expert's
+        rank (sent sorted by global expert; FP8 when ``fp8``, quantised once per token), received grouped by
+        source. ``combine``: expert outputs in that received order -> back to the source ranks (sorted by
+        global expert). ``dispatch_grad`` / ``combine_grad``: the gradients of the received rows, the reverse
+        way (never quantised: the FP8 backward is straight-through); the dispatch gradients of a token's
+        copies arrive summed per token (``[T, D]``)."""
         splits = {"dispatch": (plan.out_splits, plan.in_splits), "combine": (plan.in_splits, plan.out_splits),
                   "dispatch_grad": (plan.in_splits, plan.out_splits),
                   "combine_grad": (plan.out_splits, plan.in_splits)}[direction]
         fp8 = self.fp8 and direction == "dispatch"
         count = {"dispatch": self.stats.count_dispatch, "combine": self.stats.count_combine}.get(direction)
+        t0 = time.perf_counter()
+        tokens = plan.order // plan.K   # token of each copy, in send order
         pending = Pending()
         with named_errors(f"{self.name} ({direction})", dist.get_rank()):
-            out = start_all_to_all(rows, *splits, self.group, pending, fp8, count)
+            out = start_all_to_all(rows, *splits, self.group, pending, fp8, count,
+                                   rows=tokens if direction == "dispatch" else None)
         kind = "combine_s" if direction.startswith("combine") else "dispatch_s"
-
-        def waited(seconds):   # only the blocking part counts: the rest was hidden behind other work
-            setattr(self.stats, kind, getattr(self.stats, kind) + seconds)
-        return _Handle(lambda: out, pending, f"{self.name} ({direction})", dist.get_rank(), waited)
-
-    # ---- autograd path ------------------------------------------------------------------------------
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
-        t0 = time.perf_counter()
-        plan = self._plan(topk_idx_TK)
-        order, K, in_splits, out_splits = plan.order, plan.K, plan.in_splits, plan.out_splits
-        pending = Pending()
-        if self.fp8:   # quantise the T source rows once, then send their K copies as bytes + scales
-            x_recv = all_to_all_fp8(x_TD, out_splits, in_splits, self.group, pending, self.name, rows=order // K,
-                                    on_send=self.stats.count_dispatch)
-        else:
-            x_send = x_TD[order // K]
-            self.stats.count_dispatch(x_send)
-            x_recv = all_to_all(x_send, out_splits, in_splits, self.group, pending, self.name)
+        self.stats.add_time(kind, time.perf_counter() - t0)
 
         def finish():
-            handle = (order, topk_weight_TK, in_splits, out_splits, plan.perm)
-            self.stats.dispatch_s += time.perf_counter() - t0
-            return x_recv[plan.perm], plan.tokens_per_expert, handle
-        return self._handle(finish, pending)
+            if direction == "dispatch_grad":   # the gather's backward: sum the copies per token
+                summed = out.new_zeros((tokens.numel() // plan.K, *out.shape[1:]))
+                return [summed.index_put_((tokens,), out, accumulate=True)]
+            return [out]
 
-    def _combine(self, y_RD, handle) -> _Handle:
-        t0 = time.perf_counter()
-        order, w_TK, in_splits, out_splits, perm = handle
-        pending = Pending()
-        y_send = y_RD[torch.argsort(perm)]
-        self.stats.count_combine(y_send)
-        y_sorted = all_to_all(y_send, in_splits, out_splits, self.group, pending, self.name)
+        waited = functools.partial(self.stats.add_time, kind)   # the blocking part of the wait
+        return Handle(finish, pending, f"{self.name} ({direction})", dist.get_rank(), waited)
 
-        def finish():
-            out = unsort_and_weight(y_sorted, order, w_TK)
-            self.stats.combine_s += time.perf_counter() - t0
-            return out
-        return self._handle(finish, pending)
+    def route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> Steps:
+        """Plan (a blocking count exchange) | dispatch all-to-all | experts | combine all-to-all | un-sort and
+        weight, as steps: one cut per all-to-all. Returns ``y_TD``."""
+        plan = self.plan(topk_idx_TK)
+        (w_TK,), (x_recv,) = yield Cut((topk_weight_TK,), [x_TD], FlatLink(self, plan, "dispatch"))
+        y_RD = experts(x_recv[plan.perm], plan.tokens_per_expert)
+        y_send = y_RD[torch.argsort(plan.perm)]
+        (w_TK,), (y_sorted,) = yield Cut((w_TK,), [y_send], FlatLink(self, plan, "combine"))
+        return unsort_and_weight(y_sorted, plan.order, w_TK)
 
     def _count_crossings(self, topk_idx_TK, in_splits) -> None:
         my_node = self.ep_rank // self.rpn
@@ -310,10 +273,11 @@ class HierarchicalDispatcher(_DispatcherBase):
         return y_NTD.view(self.n_nodes, T, D).sum(0)
 
     def start(self, rows: list, out_splits: list[int], in_splits: list[int], hop: str, count=None,
-              stat: str = "dispatch_s") -> _Handle:
+              stat: str = "dispatch_s") -> Handle:
         """Launch the all-to-alls of ``rows`` (same splits) over the ``inter`` or ``intra`` group outside
         autograd; ``wait()`` gives the received tensors, in order. ``count``: byte counter for ``rows[0]``
         (the token rows; gate weights and ids are not counted, as in the autograd path)."""
+        t0 = time.perf_counter()
         group = self.inter if hop == "inter" else self.intra
         pending = Pending()
         outs = []
@@ -321,40 +285,71 @@ class HierarchicalDispatcher(_DispatcherBase):
             for i, t in enumerate(rows):
                 outs.append(start_all_to_all(t, out_splits, in_splits, group, pending, False,
                                              count if i == 0 else None))
+        self.stats.add_time(stat, time.perf_counter() - t0)
+        return Handle(lambda: outs, pending, self.name, dist.get_rank(), functools.partial(self.stats.add_time, stat))
 
-        def waited(seconds):
-            setattr(self.stats, stat, getattr(self.stats, stat) + seconds)
-        return _Handle(lambda: outs, pending, self.name, dist.get_rank(), waited)
+    def route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> Steps:
+        """The two-hop route as steps, one cut per hop: inter-node (token rows, gate weights, expert ids),
+        intra-node to the experts, experts, intra-node back, the forwarder's weighted sum, inter-node back,
+        the per-token sum. With FP8 (one quantised route across both hops): no cut, synchronous."""
+        if self.fp8:
+            x_RD, tokens_per_expert, handle = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+            return self.combine(experts(x_RD, tokens_per_expert), handle)
+        st = self.stats
+        np_ = self._timed(self.plan_nodes, topk_idx_TK)
+        sends = [x_TD[np_.pair_tok], topk_weight_TK[np_.pair_tok] * np_.on_node_PK, np_.ids_PK]
+        inter = HopLink(self, np_.out1, np_.in1, "inter", st.count_dispatch, "dispatch_s")
+        _, (x1, w1, ids1) = yield Cut((), sends, inter)
+        fp = self._timed(self.plan_forward, ids1)
+        intra = HopLink(self, fp.out2, fp.in2, "intra", st.count_dispatch, "dispatch_s")
+        (w1,), (x2,) = yield Cut((w1,), [x1[fp.copy_row[fp.order2]]], intra)
+        y_RD = experts(x2[fp.perm], fp.tokens_per_expert)
+        back = HopLink(self, fp.in2, fp.out2, "intra", st.count_combine, "combine_s")
+        (w1,), (y2,) = yield Cut((w1,), [y_RD[torch.argsort(fp.perm)]], back)
+        partial = self.forwarder_sum(y2, w1, fp)
+        _, (y1,) = yield Cut((), [partial], HopLink(self, np_.in1, np_.out1, "inter", st.count_combine, "combine_s"))
+        return self.node_sum(y1, np_)
 
-    # ---- autograd path ------------------------------------------------------------------------------
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> _Handle:
+    def _timed(self, plan_step, *args):
+        """A planning step of the route (a blocking count exchange included): errors name the layer, its
+        time counts as dispatch time."""
+        t0 = time.perf_counter()
+        with named_errors(self.name, dist.get_rank()):
+            out = plan_step(*args)
+        self.stats.add_time("dispatch_s", time.perf_counter() - t0)
+        return out
+
+    # ---- FP8: both hops in one quantised route, synchronous, with autograd -----------------------------
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK):
+        """``(x_RD sorted by local expert, tokens_per_expert, handle)``."""
+        with named_errors(self.name, dist.get_rank()):
+            handle = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+        return handle.wait()
+
+    def combine(self, y_RD, handle):
+        with named_errors(self.name, dist.get_rank()):
+            handle = self._combine(y_RD, handle)
+        return handle.wait()
+
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> Handle:
         t0 = time.perf_counter()
         np_ = self.plan_nodes(topk_idx_TK)
         in1, out1, pair_tok = np_.in1, np_.out1, np_.pair_tok
-        w_PK = topk_weight_TK[pair_tok] * np_.on_node_PK
-        if not self.fp8:
-            x_send = x_TD[pair_tok]
-            self.stats.count_dispatch(x_send)
-            x1 = all_to_all(x_send, out1, in1, self.inter, None, self.name)
-        w1 = all_to_all(w_PK, out1, in1, self.inter, None, self.name)
+        w1 = all_to_all(topk_weight_TK[pair_tok] * np_.on_node_PK, out1, in1, self.inter, None, self.name)
         ids1 = exchange_rows(np_.ids_PK, out1, in1, self.inter)
         fp = self.plan_forward(ids1)
-        in2, out2 = fp.in2, fp.out2
         pending = Pending()
-        if self.fp8:   # both hops in one route: quantised here, bytes forwarded as they are, dequantised at the expert
-            hops = [Hop(out1, in1, self.inter, rows=pair_tok), Hop(out2, in2, self.intra, rows=fp.copy_row[fp.order2])]
-            x2 = fp8_route(x_TD, hops, pending, self.name, on_send=self.stats.count_dispatch)
-        else:
-            x_send = x1[fp.copy_row[fp.order2]]
-            self.stats.count_dispatch(x_send)
-            x2 = all_to_all(x_send, out2, in2, self.intra, pending, self.name)
+        # quantised here, bytes forwarded as they are, dequantised at the expert
+        hops = [Hop(out1, in1, self.inter, rows=pair_tok),
+                Hop(fp.out2, fp.in2, self.intra, rows=fp.copy_row[fp.order2])]
+        x2 = fp8_route(x_TD, hops, pending, self.name, on_send=self.stats.count_dispatch)
 
         def finish():
             self.stats.dispatch_s += time.perf_counter() - t0
             return x2[fp.perm], fp.tokens_per_expert, (np_, w1, fp)
         return self._handle(finish, pending)
 
-    def _combine(self, y_RD, handle) -> _Handle:
+    def _combine(self, y_RD, handle) -> Handle:
         t0 = time.perf_counter()
         np_, w1, fp = handle
         y_send = y_RD[torch.argsort(fp.perm)]

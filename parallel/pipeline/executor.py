@@ -7,15 +7,15 @@ arrived (on CUDA the stream waits, not the host). Transfers go over one channel 
 neighbours and pair in issue order, as NCCL pairs them (``p2p.py``): no tags; the schedule's SEND/RECV
 order is FIFO-consistent.
 
-Backward kinds: BW runs the full backward of a stage; B computes only the stage-input gradient and
-keeps the graph; W later computes the parameter gradients (zero-bubble split — correct, though W
-re-traverses the graph; deferring only the weight GEMMs is a further optimisation).
-
-``overlap=False`` (or a schedule without F&B actions): every stage runs as one autograd graph
-(``Stage.forward``, ``torch.autograd.backward``), and an F&B runs its forward and backward halves one
-after the other. ``overlap=True``: every stage runs piecewise, cut at its expert all-to-alls
-(``overlap.py``), and an F&B interleaves its forward and backward pieces in this thread so that one
-micro-batch's all-to-all is in flight while the other computes.
+One path per action kind: a stage forward is the model's own steps (``Stage.steps``) recorded on a
+``Tape`` (``overlap.py``), a backward runs the tape's pieces in reverse. F runs a forward; BW the full
+backward of a stage; B only the stage-input gradient, keeping the graphs; W later the parameter gradients
+(zero-bubble split — correct, though W re-traverses the graph; deferring only the weight GEMMs is a further
+optimisation). With ``overlap`` and a schedule that has F&B actions (DualPipe, DualPipeV) the tapes cut
+every stage at its expert all-to-alls and an F&B interleaves its forward and backward pieces in this
+thread (``run_pair``), so that one micro-batch's all-to-all is in flight while the other computes.
+Otherwise a tape is one piece (its all-to-alls exchanged at once, with autograd) and an F&B runs its two
+halves one after the other: the reference the overlapped run is tested against.
 
 Shapes: activations and their gradients crossing stages are ``[micro_batch, seq, dim]`` fp32.
 """
@@ -26,9 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from .overlap import backward_steps, forward_steps, run, run_pair, weight_backward
+from .overlap import Tape, backward_steps, record, run, run_pair, weight_backward
 from ..errors import named
 from .p2p import PipeChannels
 from .schedules.actions import Action, Kind, Payload
@@ -46,11 +45,10 @@ class _StepState:
     sums: dict[str, torch.Tensor]   # on the device: the host does not wait for each micro-batch's losses
     inputs: dict = field(default_factory=dict)     # stage input leaves
     outputs: dict = field(default_factory=dict)    # stage outputs, until their backward
-    aux: dict = field(default_factory=dict)        # stage balance losses, until their backward
     recv: dict = field(default_factory=dict)       # received activations and gradients
     in_grads: dict = field(default_factory=dict)   # stage input gradients, until sent or used on this rank
-    tapes: dict = field(default_factory=dict)      # piecewise forwards (overlap)
-    pending_w: dict = field(default_factory=dict)  # B -> W hand-over
+    tapes: dict = field(default_factory=dict)      # recorded stage forwards, until their backward
+    pending_w: dict = field(default_factory=dict)  # B -> W hand-over (first stage: its output gradients)
     fb_pieces: list[tuple] = field(default_factory=list)   # overlapped F&Bs: (half, compute s, wait s, injected s)
     sends: list = field(default_factory=list)      # (work, tensor) of the step's isends
 
@@ -66,7 +64,7 @@ class PipelineExecutor:
         self.n_stages = n_stages
         self.dim = dim
         self.device = torch.device(device)
-        # Piecewise execution only pays off around F&B actions (DualPipe, DualPipeV); 1F1B / ZB1P run plain.
+        # Cutting stages at their all-to-alls only pays off around F&B actions (DualPipe, DualPipeV).
         self.overlap = overlap and any(a.kind is Kind.FB for a in actions)
         self.state: _StepState | None = None   # the running step's (after it: the last step's)
 
@@ -107,107 +105,71 @@ class PipelineExecutor:
 
     def _record(self, a: Action, out: torch.Tensor, aux: torch.Tensor | None, parts) -> None:
         self.state.outputs[(a.mb, a.stage)] = out
-        self.state.aux[(a.mb, a.stage)] = aux
-        if aux is not None:
-            self.state.sums["aux"] += aux.detach().double()
+        if aux is not None and self.state.aux_alpha:
+            self.state.sums["aux"] += (self.state.aux_alpha * aux.detach()).double()
         if parts is not None:
             self.state.sums["lm"] += parts[0].detach().double()
             self.state.sums["mtp"] += parts[1].detach().double()
             self.state.sums["n"] += 1
 
     def _f(self, a: Action) -> None:
-        if self.overlap:
-            run(self._f_steps(a))
-            return
-        st = self.stages[a.chunk]
-        ids, labels = (t.to(self.device) for t in self.state.mb[a.mb])
-        x = self._stage_input(a)
-        out, parts = st(x, ids, labels, self.state.mtp_weight)
-        self._record(a, out, st.aux_loss(self.state.aux_alpha), parts)
+        run(self._f_steps(a))
 
     def _f_steps(self, a: Action):
-        """Piecewise forward (``overlap``): the balance losses are seeded piece by piece in the backward,
-        so ``state.aux`` only keeps their detached sum, for the logs."""
+        """A stage forward on a tape (cut at its all-to-alls with ``overlap``): its output and its MoE balance
+        losses end the tape, whose backward seeds them."""
         st, s = self.stages[a.chunk], self.state
         ids, labels = (t.to(self.device) for t in s.mb[a.mb])
         x = self._stage_input(a)
-        tape, parts = yield from forward_steps(st, x, ids, labels, s.mtp_weight, s.aux_alpha * s.scale)
+        tape = Tape(x, cuts=self.overlap)
+        out, parts, aux = yield from record(_stage_steps(st, x, ids, labels, s.mtp_weight), tape)
+        tape.finish([out, aux])
         s.tapes[(a.mb, a.stage)] = tape
-        with torch.no_grad():
-            aux = st.aux_loss(s.aux_alpha)
-        self._record(a, tape.out, aux, parts)
+        self._record(a, out, aux, parts)
 
-    def _out_grad(self, a: Action) -> torch.Tensor:
-        """Gradient of the stage output: the loss scale on the last stage, else the next stage's."""
+    def _out_grads(self, a: Action) -> list[torch.Tensor | None]:
+        """Gradients of the stage output (the loss scale on the last stage, else the next stage's) and of
+        its balance losses (``aux_alpha`` x the loss scale; None without them)."""
+        s = self.state
         if self.stages[a.chunk].is_last:
-            return torch.full((), self.state.scale, dtype=self.state.outputs[(a.mb, a.stage)].dtype, device=self.device)
-        g = self.state.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
-        return g if g is not None else self.state.in_grads.pop((a.mb, a.stage + 1))
-
-    def _targets(self, a: Action) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        out = self.state.outputs[(a.mb, a.stage)]
-        aux = self.state.aux[(a.mb, a.stage)]
-        if self.stages[a.chunk].is_last:
-            loss = out * self.state.scale + (aux * self.state.scale if aux is not None else 0)
-            return [loss], [None]
-        tensors, grads = [out], [self._out_grad(a)]
-        if aux is not None:
-            tensors.append(aux * self.state.scale)
-            grads.append(None)
-        return tensors, grads
+            g = torch.full((), s.scale, dtype=s.outputs[(a.mb, a.stage)].dtype, device=self.device)
+        else:
+            g = s.recv.pop((Payload.GRAD, a.mb, a.stage + 1), None)
+            g = g if g is not None else s.in_grads.pop((a.mb, a.stage + 1))
+        aux = torch.full((), s.aux_alpha * s.scale, device=self.device) if s.aux_alpha else None
+        return [g, aux]
 
     def _bw(self, a: Action) -> None:
-        if self.overlap:
-            run(self._bw_steps(a))
-            return
-        tensors, grads = self._targets(a)
-        torch.autograd.backward(tensors, grads)
-        self._finish_backward(a)
+        run(self._bw_steps(a))
 
     def _bw_steps(self, a: Action):
         tape = self.state.tapes.pop((a.mb, a.stage))
-        yield from backward_steps(tape, self._out_grad(a))
+        yield from backward_steps(tape, self._out_grads(a))
         self._finish_backward(a)
 
     def _b(self, a: Action) -> None:
         key = (a.mb, a.stage)
         x = self.state.inputs.get(key)
-        if self.overlap:
-            g = self._out_grad(a)
-            if x is None:   # the first stage has no input gradient: its whole backward runs at W
-                self.state.pending_w[key] = g
-            else:
-                run(backward_steps(self.state.tapes[key], g, mode="input"))
-                self.state.in_grads[key] = x.grad
+        g = self._out_grads(a)
+        if x is None:   # the first stage has no input gradient: its whole backward runs at W
+            self.state.pending_w[key] = g
             return
-        tensors, grads = self._targets(a)
-        self.state.pending_w[key] = (tensors, grads)
-        if x is not None:   # the first stage has no input gradient: all its work happens at W
-            torch.autograd.backward(tensors, grads, inputs=[x], retain_graph=True)
-            self.state.in_grads[key] = x.grad
-        # outputs/aux stay until W
+        run(backward_steps(self.state.tapes[key], g, mode="input"))
+        self.state.in_grads[key] = x.grad
 
     def _w(self, a: Action) -> None:
         key = (a.mb, a.stage)
-        params = self._params(self.stages[a.chunk])
-        if self.overlap:
-            tape = self.state.tapes.pop(key)
-            g = self.state.pending_w.pop(key, None)
-            if g is not None:   # first stage: the deferred full backward
-                run(backward_steps(tape, g))
-            else:
-                weight_backward(tape, params)
+        tape = self.state.tapes.pop(key)
+        g = self.state.pending_w.pop(key, None)
+        if g is not None:   # first stage: the deferred full backward
+            run(backward_steps(tape, g))
         else:
-            tensors, grads = self.state.pending_w.pop(key)
-            if params:   # a stage may hold no layers (more stages than layers)
-                torch.autograd.backward(tensors, grads, inputs=params)
+            weight_backward(tape, self._params(self.stages[a.chunk]))
         self.state.outputs.pop(key)
-        self.state.aux.pop(key)
         self.state.inputs.pop(key, None)
 
     def _finish_backward(self, a: Action) -> None:
         self.state.outputs.pop((a.mb, a.stage))
-        self.state.aux.pop((a.mb, a.stage))
         x = self.state.inputs.pop((a.mb, a.stage), None)
         if x is not None:
             self.state.in_grads[(a.mb, a.stage)] = x.grad
@@ -217,11 +179,11 @@ class PipelineExecutor:
         thread (``overlap.run_pair``): each all-to-all travels while the other micro-batch computes its
         next piece. Without it the halves run one after the other."""
         fwd, bwd = a.parts()
-        if not self.overlap:
+        if self.overlap:
+            run_pair(self._f_steps(fwd), self._bw_steps(bwd), self.state.fb_pieces)
+        else:
             self._f(fwd)
             self._bw(bwd)
-            return
-        run_pair(self._f_steps(fwd), self._bw_steps(bwd), self.state.fb_pieces)
 
     # ---- communication ---------------------------------------------------------------------------
     def _send(self, a: Action) -> None:
@@ -244,6 +206,15 @@ class PipelineExecutor:
         if st.is_last and hasattr(st, "_borrowed"):
             params += [p for p in st._borrowed[0].parameters() if p.requires_grad]
         return params
+
+
+def _stage_steps(st, x, ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float):
+    """``st.steps`` (``Stage``: its part of the model, as steps); another stage module (duck-typed, e.g. in
+    tests) runs as one piece without balance losses. Returns ``(out, parts, aux)``."""
+    if hasattr(st, "steps"):
+        return (yield from st.steps(x, ids, labels, mtp_weight))
+    out, parts = st(x, ids, labels, mtp_weight)
+    return out, parts, None
 
 
 class _Clock:

@@ -1,37 +1,28 @@
-"""Piecewise stage execution: DualPipe's overlapped forward + backward (F&B) in one thread.
+"""Piecewise stage execution: the mechanics behind DualPipe's overlapped forward + backward (F&B).
 
-A stage's forward is cut at its expert all-to-alls into *pieces*. Per MoE block:
+The model's forward is written once, as steps that yield a ``Cut`` wherever a MoE dispatcher moves tokens
+(``models/steps.py``; the cuts come from the dispatcher's ``route``). Here a stage's steps are driven
+*piecewise*: each cut ends an autograd piece. Per MoE block with the flat dispatcher:
 
-    piece A  (previous combine's result ->) attention + residual, FFN norm, gate, routing plan, gather
+    piece A  (previous combine's result ->) attention + residual, FFN norm, gate, routing plan
              ----- dispatch all-to-all in flight ----->
     piece E  routed experts on the received token copies
              ----- combine all-to-all in flight ------>
     piece C  un-sort + gate weighting, shared experts, residual (-> the next block's piece A ...)
 
-(the hierarchical dispatcher adds a forwarder piece on each side of E: four all-to-alls per block).
+(the hierarchical dispatcher cuts at each of its four hops; the single-device ``LocalDispatcher`` cuts at
+the same places with nothing in flight). The next piece starts from detached leaves (``requires_grad``)
+of the cut's carried tensors and received rows, and the link runs outside autograd (``Link.start``). So
+the backward runs piece by piece in reverse and issues the gradients' all-to-alls itself
+(``Link.reverse``), asynchronously, like the forward's. A tape made with ``cuts=False`` records the same
+steps as one piece (each link exchanged at once, with autograd): where nothing can overlap.
 
-Pieces with no all-to-all between them run as one (dense blocks, the embedding, the head and the loss;
-MTP blocks are cut like main blocks). Every piece boundary is an autograd boundary: the next piece starts
-from detached leaves (``requires_grad``) of the previous piece's live tensors, and the all-to-all itself
-runs outside autograd on detached rows (``AllToAllDispatcher.start``). So the backward runs piece by
-piece in reverse and issues the all-to-alls of the gradients (reverse splits: combine's gradient, then
-dispatch's) itself, asynchronously, like the forward's.
-
-Forward and backward are *step generators*: each runs compute up to the launch of its next all-to-all
-and yields the handle. ``run_pair`` alternates two of them (an F&B's forward of micro-batch a and full
-backward of micro-batch b): while one generator's all-to-all is in flight the other computes its next
-piece, then the handle is waited for. ``run`` drives one generator alone (launch, then wait at once),
-which is what plain F / BW / B / W actions do. The order of collectives depends only on the model's
-structure, so every rank of an EP group issues them in the same order.
-
-Routing uses the MoE layer's dispatcher: ``AllToAllDispatcher`` (also FP8) through its ``plan`` / ``start``
-split, the single-device ``LocalDispatcher`` (EP=1 without a dispatcher group) with the same cuts and no
-transfer, and ``HierarchicalDispatcher`` cut at each of its four hops (``plan_nodes`` / ``plan_forward`` /
-``start``). A hierarchical dispatcher with FP8 (one quantised route across both hops) or any other
-dispatcher runs its whole MoE block inside one piece, with the autograd (synchronous) all-to-alls:
-correct, nothing hidden. The code mirrors ``Block.forward``,
-``MoE.forward``, ``MTPModule.forward`` and ``head_loss`` (``models/``); the pipeline parity tests, run with
-overlap on and off, pin that they compute the same thing.
+Forward (``record``) and backward (``backward_steps``) are *step generators* here too: each computes up to
+the launch of its next all-to-all and yields the handle. ``run_pair`` alternates two of them (an F&B's
+forward of micro-batch a and full backward of micro-batch b): while one generator's all-to-all is in flight
+the other computes its next piece, then the handle is waited for. ``run`` drives one alone (launch, then
+wait at once). The order of collectives depends only on the model's structure, so every rank of an EP
+group issues them in the same order.
 
 B / W split: ``backward_steps(..., mode="input")`` computes, piece by piece, only the gradients of each
 piece's inputs (keeping the graphs); ``weight_backward`` later runs every piece's backward for the
@@ -41,30 +32,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any, Generator
 
 import torch
 
-from models.layers import rope_cos_sin
-from models.moe import LocalDispatcher, MoE, expert_counts, sequence_balance_loss
-from models.transformer import _ce
+from models.steps import Cut, Link
 
-from ..ep.dispatch import AllToAllDispatcher, HierarchicalDispatcher, RoutePlan, unsort_and_weight
-from .stages import Stage
-
-Steps = Generator[Any, Any, Any]   # yields handles (``.wait()`` -> tensor), receives their results
-
-
-# ---------------------------------------------------------------------------------------------- records
-@dataclass
-class Link:
-    """All-to-alls between two pieces, left in flight: ``send`` (tensors of the earlier piece; the
-    floating ones are differentiable, the others metadata), ``handle.wait()`` gives the received tensors
-    in order, and ``reverse(grads of the received floating tensors)`` launches the gradients' way back
-    and returns a handle whose ``wait()`` gives the gradients of the floating ``send`` tensors."""
-    send: list[torch.Tensor]
-    handle: Any
-    reverse: Callable[[list[torch.Tensor]], Any]
+Steps = Generator[Any, Any, Any]   # yields handles (``.wait()`` -> tensors), receives their results
 
 
 @dataclass
@@ -72,8 +46,7 @@ class Piece:
     inputs: list[torch.Tensor]                     # leaves: carried tensors, then the received floating rows
     n_recv: int = 0                                # how many of ``inputs`` came through the link
     outputs: list[torch.Tensor] = field(default_factory=list)   # aligned with the next piece's inputs
-    losses: list[tuple[torch.Tensor, float]] = field(default_factory=list)   # (scalar, its gradient)
-    link: Link | None = None                       # the all-to-alls to the next piece
+    link: Link | None = None                       # the transfer to the next piece
     targets: tuple | None = None                   # (roots, grads) kept by an input-only backward for W
 
 
@@ -82,229 +55,74 @@ def _diff(t) -> bool:
 
 
 class Tape:
-    """The pieces of one micro-batch's forward through one stage."""
+    """The pieces of one micro-batch's forward through one stage. ``x``: the stage input leaf (None on the
+    first stage). ``cuts=False``: one piece, every link exchanged at once with autograd (as the forward
+    straight through): nothing can overlap, and the backward is one autograd pass."""
 
-    def __init__(self, x: torch.Tensor | None):
+    def __init__(self, x: torch.Tensor | None, cuts: bool = True):
         self.pieces = [Piece([x] if x is not None else [])]
-        self.out: torch.Tensor | None = None
+        self.cuts = cuts
 
-    def loss(self, t: torch.Tensor, grad: float) -> None:
-        """A scalar of the current piece that the backward seeds with ``grad`` (balance losses)."""
-        self.pieces[-1].losses.append((t, grad))
-
-    def cut(self, carry: tuple, link: Link) -> Steps:
-        """End the current piece; ``link``'s all-to-alls are in flight. Yields its handle; returns the
-        carried tensors and the received ones, as leaves of the next piece where differentiable."""
+    def cut(self, cut: Cut) -> Steps:
+        """End the current piece and launch ``cut``'s link. Yields its handle; returns ``(carry,
+        received)`` for the steps generator, as leaves of the next piece where differentiable."""
+        if not self.cuts:
+            return cut.carry, cut.link(cut.sends)
         cur = self.pieces[-1]
-        keep = [i for i, t in enumerate(carry) if _diff(t)]
-        sends = [t for t in link.send if _diff(t)]
-        cur.outputs = [carry[i] for i in keep] + sends
-        cur.link = link
-        recv = list((yield link.handle))
-        new = list(carry)
+        keep = [i for i, t in enumerate(cut.carry) if _diff(t)]
+        sent = [j for j, t in enumerate(cut.sends) if _diff(t)]
+        cur.outputs = [cut.carry[i] for i in keep] + [cut.sends[j] for j in sent]
+        cur.link = cut.link
+        received = list((yield cut.link.start(cut.sends)))
+        carry = list(cut.carry)
         for i in keep:
-            new[i] = carry[i].detach().requires_grad_()
-        got = [j for j, t in enumerate(link.send) if _diff(t)]
-        for j in got:
-            recv[j] = recv[j].detach().requires_grad_()
-        self.pieces.append(Piece([new[i] for i in keep] + [recv[j] for j in got], len(got)))
-        return tuple(new), recv
+            carry[i] = carry[i].detach().requires_grad_()
+        for j in sent:
+            received[j] = received[j].detach().requires_grad_()
+        self.pieces.append(Piece([carry[i] for i in keep] + [received[j] for j in sent], len(sent)))
+        return tuple(carry), received
+
+    def finish(self, outputs: list[torch.Tensor | None]) -> None:
+        """The stage's results (its output, its balance losses), which the backward seeds."""
+        self.pieces[-1].outputs = list(outputs)
 
 
-# ------------------------------------------------------------------------------------------- routing
-class _Done:
-    """A handle with nothing in flight (the single-device dispatcher)."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def wait(self):
-        return self.t
-
-
-class _FlatRoute:
-    """``AllToAllDispatcher`` (one all-to-all each way) or the single-device ``LocalDispatcher`` (the
-    same cuts, nothing in flight)."""
-
-    def __init__(self, dispatcher):
-        self.d = dispatcher
-        self.local = isinstance(dispatcher, LocalDispatcher)
-
-    def _link(self, send: torch.Tensor, plan: RoutePlan, direction: str) -> Link:
-        if self.local:
-            return Link([send], _Done([send.detach()]), _Done)
-        d = self.d
-        return Link([send], _Listed(d.start(send, plan, direction)),
-                    lambda g: _Listed(d.start(g[0], plan, direction + "_grad")))
-
-    def steps(self, moe, u_TD, topk_idx_TK, w_TK, carry: tuple, tape: Tape) -> Steps:
-        if self.local:
-            flat = topk_idx_TK.flatten()
-            R = flat.numel()
-            plan = RoutePlan(torch.argsort(flat, stable=True), topk_idx_TK.shape[1], [R], [R], None,
-                             expert_counts(flat, self.d.n_experts))
-        else:
-            plan = self.d.plan(topk_idx_TK)
-        x_send = u_TD[plan.order // plan.K]
-        (w_TK, *carry), (x_recv,) = yield from tape.cut((w_TK, *carry), self._link(x_send, plan, "dispatch"))
-        x_RD = x_recv if plan.perm is None else x_recv[plan.perm]
-        y_RD = moe.experts(x_RD, plan.tokens_per_expert)
-        y_send = y_RD if plan.perm is None else y_RD[torch.argsort(plan.perm)]
-        (w_TK, *carry), (y_sorted,) = yield from tape.cut((w_TK, *carry), self._link(y_send, plan, "combine"))
-        return unsort_and_weight(y_sorted, plan.order, w_TK), tuple(carry)
-
-
-class _Listed:
-    """A handle whose result is wrapped in a one-element list."""
-
-    def __init__(self, h):
-        self.h = h
-        self.injected_s = getattr(h, "injected_s", 0.0)   # see ``run_pair``
-
-    def wait(self):
-        return [self.h.wait()]
-
-
-class _HierRoute:
-    """``HierarchicalDispatcher``: inter-node hop (token rows, gate weights, expert ids), the forwarder's
-    intra-node hop, the experts, the intra-node hop back, the forwarder's weighted sum, the inter-node
-    hop back: four cuts."""
-
-    def __init__(self, dispatcher):
-        self.d = dispatcher
-
-    def _link(self, sends: list, out_splits, in_splits, hop: str, count, stat: str) -> Link:
-        d = self.d
-        return Link(sends, d.start(sends, out_splits, in_splits, hop, count, stat),
-                    lambda g: d.start(g, in_splits, out_splits, hop, None, stat))
-
-    def steps(self, moe, u_TD, topk_idx_TK, w_TK, carry: tuple, tape: Tape) -> Steps:
-        d, st = self.d, self.d.stats
-        nplan = d.plan_nodes(topk_idx_TK)
-        sends = [u_TD[nplan.pair_tok], w_TK[nplan.pair_tok] * nplan.on_node_PK, nplan.ids_PK]
-        carry, (x1, w1, ids1) = yield from tape.cut(carry, self._link(sends, nplan.out1, nplan.in1, "inter",
-                                                                     st.count_dispatch, "dispatch_s"))
-        fplan = d.plan_forward(ids1)
-        x_send = x1[fplan.copy_row[fplan.order2]]
-        (w1, *carry), (x2,) = yield from tape.cut((w1, *carry), self._link([x_send], fplan.out2, fplan.in2, "intra",
-                                                                           st.count_dispatch, "dispatch_s"))
-        y_RD = moe.experts(x2[fplan.perm], fplan.tokens_per_expert)
-        y_send = y_RD[torch.argsort(fplan.perm)]
-        (w1, *carry), (y2,) = yield from tape.cut((w1, *carry), self._link([y_send], fplan.in2, fplan.out2, "intra",
-                                                                           st.count_combine, "combine_s"))
-        partial = d.forwarder_sum(y2, w1, fplan)
-        carry, (y1,) = yield from tape.cut(tuple(carry), self._link([partial], nplan.in1, nplan.out1, "inter",
-                                                                    st.count_combine, "combine_s"))
-        return d.node_sum(y1, nplan), tuple(carry)
-
-
-def _route_of(ffn):
-    if not isinstance(ffn, MoE):
-        return None
-    d = ffn.dispatcher
-    if isinstance(d, (LocalDispatcher, AllToAllDispatcher)):
-        return _FlatRoute(d)
-    if isinstance(d, HierarchicalDispatcher) and not d.fp8:
-        return _HierRoute(d)
-    return None
-
-
-# ------------------------------------------------------------------------------------ forward pieces
-def _block_steps(blk, x: torch.Tensor, rope, carry: tuple, tape: Tape, aux_grad: float) -> Steps:
-    """``Block.forward`` (with ``MoE.forward`` inlined), cut at the MoE layer's all-to-alls.
-    ``carry``: the caller's live tensors, passed through the cuts. Returns ``(out, carry)``."""
-    moe, route = blk.ffn, _route_of(blk.ffn)
-    if route is None:   # dense FFN, or a dispatcher without a piecewise route: one piece
-        out = blk(x, rope)
-        if isinstance(moe, MoE) and moe.training and aux_grad:
-            tape.loss(moe.aux_loss, aux_grad)
-        return out, carry
-    h = x + blk.attn(blk.attn_norm(x), rope)
-    u = blk.ffn_norm(h)
-    B, T, D = u.shape
-    u_TD = u.reshape(B * T, D)
-    topk_idx_TK, w_TK, scores_TE = moe.gate(u_TD)
-    if moe.training:
-        moe.aux_loss = sequence_balance_loss(scores_TE.view(B, T, -1), topk_idx_TK.view(B, T, -1))
-        if aux_grad:
-            tape.loss(moe.aux_loss, aux_grad)
-        with torch.no_grad():
-            moe.tokens_per_expert += expert_counts(topk_idx_TK, moe.n_experts)
-    y_TD, (h, u_TD, *carry) = yield from route.steps(moe, u_TD, topk_idx_TK, w_TK, (h, u_TD, *carry), tape)
-    if moe.shared_experts is not None:
-        y_TD = y_TD + moe.shared_experts(u_TD)
-    return h + y_TD.view(B, T, D), tuple(carry)
-
-
-def _stage_steps(st, tape: Tape, x, ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float,
-                 aux_grad: float) -> Steps:
-    """``Stage.forward`` (and, on the last stage, ``head_loss``). Returns ``(out, parts)`` like it.
-    Another stage module (duck-typed, e.g. in tests) runs as one piece."""
-    if not isinstance(st, Stage):
-        out, parts = st(x, ids, labels, mtp_weight)
-        for m in st.modules():
-            if isinstance(m, MoE) and m.training and m.aux_loss is not None and aux_grad:
-                tape.loss(m.aux_loss, aux_grad)
-        return out, parts
-    h = st.embed(ids) if st.is_first else x
-    rope = rope_cos_sin(st.cfg, ids.shape[1], ids.device)
-    for layer in st.layers.values():
-        h, _ = yield from _block_steps(layer, h, rope, (), tape, aux_grad)
-    if not st.is_last:
-        return h, None
-    lm = _ce(st.head(st.norm(h)), labels)
-    T = ids.shape[1]
-    mtp: list[torch.Tensor] = []
-    for k, module in enumerate(st.mtp, start=1):
-        if T - k <= 0:
-            break
-        rope_k = rope_cos_sin(st.cfg, T - k, h.device)
-        xk = module.eh_proj(torch.cat([module.enorm(st.mtp_embed(ids[:, k:])), module.hnorm(h[:, :T - k])], dim=-1))
-        h, (lm, *mtp) = yield from _block_steps(module.block, xk, rope_k, (lm, *mtp), tape, aux_grad)
-        mtp.append(_ce(st.head(module.norm(h)), labels[:, k:]))
-    if not mtp:
-        return lm, (lm.detach(), lm.new_zeros(()))
-    mtp_loss = torch.stack(mtp).mean()
-    return lm + mtp_weight * mtp_loss, (lm.detach(), mtp_loss.detach())
-
-
-def forward_steps(st, x: torch.Tensor | None, ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float,
-                  aux_grad: float) -> Steps:
-    """One stage forward, as steps. ``x``: the stage input leaf (None on the first stage); ``aux_grad``:
-    the gradient each MoE balance loss gets in the backward (0: none). Returns ``(tape, parts)``;
-    ``tape.out`` is the stage output (the loss on the last stage)."""
-    tape = Tape(x)
-    tape.out, parts = yield from _stage_steps(st, tape, x, ids, labels, mtp_weight, aux_grad)
-    tape.pieces[-1].outputs = [tape.out]
-    return tape, parts
+def record(steps: Steps, tape: Tape) -> Steps:
+    """Drive a model steps generator (``models.steps``) piecewise on ``tape``: yields the handles of the
+    launched all-to-alls; returns the generator's result."""
+    value = None
+    while True:
+        try:
+            cut = steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value = yield from tape.cut(cut)
 
 
 # ----------------------------------------------------------------------------------- backward pieces
 def _roots(piece: Piece, grads: list[torch.Tensor | None]) -> tuple[list, list]:
     roots, gs = [], []
     for t, g in zip(piece.outputs, grads):
-        if g is not None and t.requires_grad:
+        if g is not None and t is not None and t.requires_grad:
             roots.append(t)
             gs.append(g)
-    for t, g in piece.losses:
-        roots.append(t)
-        gs.append(torch.full_like(t, g))
     return roots, gs
 
 
-def backward_steps(tape: Tape, out_grad: torch.Tensor, mode: str = "full") -> Steps:
+def backward_steps(tape: Tape, out_grads: list[torch.Tensor | None], mode: str = "full") -> Steps:
     """Backward of one stage forward, piece by piece from the last, as steps (yields the handles of the
-    gradients' all-to-alls). ``mode="full"``: parameters and inputs (BW, the backward of an F&B);
-    ``"input"``: only each piece's input gradients, keeping graphs and seeds for ``weight_backward`` (B).
-    The stage input's gradient lands in ``.grad`` of the leaf passed to ``forward_steps``."""
-    grads: list[torch.Tensor | None] = [out_grad]
+    gradients' all-to-alls). ``out_grads``: the gradients of ``tape.finish``'s outputs (None: none).
+    ``mode="full"``: parameters and inputs (BW, the backward of an F&B); ``"input"``: only each piece's
+    input gradients, keeping graphs and seeds for ``weight_backward`` (B). The stage input's gradient lands
+    in ``.grad`` of the leaf the tape was made with."""
+    grads: list[torch.Tensor | None] = list(out_grads)
     for i in range(len(tape.pieces) - 1, -1, -1):
         p = tape.pieces[i]
         roots, gs = _roots(p, grads)
         if mode == "full":
             if roots:
                 torch.autograd.backward(roots, gs)
-            p.outputs, p.losses = [], []
+            p.outputs = []
         else:
             p.targets = (roots, gs)
             if roots and p.inputs:
@@ -372,4 +190,4 @@ def run_pair(a: Steps, b: Steps, timings: list | None = None) -> tuple[Any, Any]
     return results[0], results[1]
 
 
-__all__ = ["Tape", "forward_steps", "backward_steps", "weight_backward", "run", "run_pair"]
+__all__ = ["Tape", "record", "backward_steps", "weight_backward", "run", "run_pair"]

@@ -5,16 +5,16 @@ the last stage the final norm, the output head and the MTP modules (which need t
 stage borrows stage 0's embedding module when both live on one rank — DualPipe/DualPipeV put them on
 the same rank — or holds a tied copy otherwise, whose gradient the executor sums with stage 0's).
 Parameter names inside a stage are the single-device names (``layers.3.attn.wo.weight``), so
-checkpoints and gradient checks need no translation.
+checkpoints and gradient checks need no translation. A stage computes nothing itself: it hands its modules
+to the model's own forward of a span of layers (``models.transformer.span_steps``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from models.layers import rope_cos_sin
-from models.moe import MoE
-from models.transformer import DeepSeekV3, head_loss, moe_aux_loss
+from models.steps import Steps, drive
+from models.transformer import DeepSeekV3, Tail, span_steps
 
 from .schedules import Schedule
 
@@ -54,29 +54,26 @@ class Stage(nn.Module):
                     self.embed = model.embed               # tied copy (gradients summed by the executor)
 
     @property
-    def mtp_embed(self) -> nn.Embedding:
-        return self.embed if hasattr(self, "embed") else self._borrowed[0]
+    def mtp_embed(self) -> nn.Embedding | None:
+        """The embedding the MTP modules read (None without MTP)."""
+        if hasattr(self, "embed"):
+            return self.embed
+        return self._borrowed[0] if hasattr(self, "_borrowed") else None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float = 0.0
+    def steps(self, x: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float = 0.0
+              ) -> Steps:
+        """This stage's span of the model, as steps (cut at the expert all-to-alls). Returns ``(out, parts,
+        aux)``: the hidden states for the next stage and None, or (last stage) the loss and ``(lm_loss,
+        mtp_loss)``; ``aux`` is the sum of the stage's MoE balance losses (None outside training)."""
+        tail = Tail(self.norm, self.head, self.mtp, self.mtp_embed) if self.is_last else None
+        return span_steps(self.cfg, input_ids, labels, x, embed=self.embed if self.is_first else None,
+                          blocks=self.layers.values(), tail=tail, mtp_weight=mtp_weight)
+
+    def forward(self, x: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float = 0.0
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Hidden states for the next stage, or (on the last stage) the loss. Returns ``(out, parts)``
-        with ``parts = (lm_loss, mtp_loss)`` on the last stage, else None."""
-        h = self.embed(input_ids) if self.is_first else x
-        rope = rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device)
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if not self.is_last:
-            return h, None
-        loss, lm, mtp = head_loss(h, input_ids, labels, mtp_weight, cfg=self.cfg, norm=self.norm, head=self.head,
-                                  embed=self.mtp_embed, mtp=self.mtp)
-        return loss, (lm.detach(), mtp.detach())
-
-    def aux_loss(self, aux_alpha: float) -> torch.Tensor | None:
-        """This stage's sequence-wise balance losses from its last forward (MTP blocks included)."""
-        moes = [m for m in self.modules() if isinstance(m, MoE)]
-        if not moes or not aux_alpha:
-            return None
-        return moe_aux_loss(moes, aux_alpha)
+        """``steps`` straight through: ``(out, parts)`` with the parts detached."""
+        out, parts, _ = drive(self.steps(x, input_ids, labels, mtp_weight))
+        return out, None if parts is None else (parts[0].detach(), parts[1].detach())
 
 
 def build_stages(model: DeepSeekV3, schedule: Schedule, pp_rank: int,

@@ -1,0 +1,181 @@
+"""One forward (issue #13): the model's forward is written once, in ``models/``, as steps cut at the
+dispatcher's boundaries; ``parallel/`` only drives it.
+
+- No module under ``parallel/`` contains model logic: it calls none of the model's submodules by name
+  (``blk.attn(``, ``moe.gate(``, ``st.head(``, ``.eh_proj(`` ...) and none of the model's compute functions
+  (``sequence_balance_loss``, ``_ce``, ``rope_cos_sin`` ...), nor imports them. Read from the source (AST).
+- Recording the model on the pipeline's ``Tape`` (cut at every dispatcher boundary, or as one piece; full
+  backward, and the B / W split) gives the losses and gradients of driving it straight through
+  (``compute_loss``), on one device.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import ModelConfig, build
+from models.steps import Cut, LocalLink, carrying, drive
+from models.transformer import Tail, span_steps
+from parallel.pipeline.overlap import Tape, backward_steps, record, run, weight_backward
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_FILES = ("models/layers.py", "models/attention.py", "models/moe.py", "models/transformer.py")
+# Functions of models/ that parallel/ may call: building blocks of the seams, not model compute.
+ALLOWED = {"build", "expert_counts", "unsort_and_weight", "span_steps", "drive", "carrying"}
+
+
+def _submodule_names() -> set[str]:
+    """Attribute names of the model's submodules (every kind of layer, MTP included), except names that
+    are also tensor methods (``norm``): calling one of these is running the model by hand."""
+    names = set()
+    for q_lora in (0, 16):
+        for n, _ in build(ModelConfig(q_lora_rank=q_lora, mtp_depth=1), "meta").named_modules():
+            last = n.rsplit(".", 1)[-1]
+            if last and not last.isdigit() and not hasattr(torch.Tensor, last):
+                names.add(last)
+    return names
+
+
+def _model_functions() -> tuple[set[str], set[str]]:
+    """The module-level functions of the model's files (except ``ALLOWED``) and its classes' compute
+    methods between the cuts (called by attribute)."""
+    functions, methods = set(), set()
+    for rel in MODEL_FILES:
+        for node in ast.parse((ROOT / rel).read_text()).body:
+            if isinstance(node, ast.FunctionDef):
+                functions.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                methods.update(f.name for f in node.body if isinstance(f, ast.FunctionDef)
+                               and f.name in ("attention", "balance", "post_combine", "q_up", "kv_up"))
+    return functions - ALLOWED, methods
+
+
+SUBMODULES = _submodule_names()
+FUNCTIONS, METHODS = _model_functions()
+
+
+def model_logic(tree: ast.Module) -> list[str]:
+    """``line: what`` for every call of a model submodule, compute method or function, and every import of
+    such a function. (Importing the model's classes, e.g. for ``isinstance``, is fine.)"""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            if isinstance(fn, ast.Attribute) and fn.attr in SUBMODULES | METHODS | FUNCTIONS:
+                found.append(f"{node.lineno}: calls .{fn.attr}(")
+            elif isinstance(fn, ast.Name) and fn.id in FUNCTIONS:
+                found.append(f"{node.lineno}: calls {fn.id}(")
+            if isinstance(fn, ast.Attribute) and fn.attr in ("cross_entropy", "scaled_dot_product_attention"):
+                found.append(f"{node.lineno}: calls {fn.attr}(")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("models"):
+            found += [f"{node.lineno}: imports {a.name}" for a in node.names if a.name in FUNCTIONS]
+    return found
+
+
+def test_the_sets_cover_the_model():
+    assert {"attn", "attn_norm", "ffn_norm", "gate", "shared_experts", "experts", "head", "embed", "eh_proj",
+            "enorm", "hnorm", "wkv_a"} <= SUBMODULES
+    assert {"rope_cos_sin", "apply_rope", "sequence_balance_loss", "_ce", "head_loss_steps"} <= FUNCTIONS
+    assert {"attention", "balance", "post_combine"} <= METHODS
+
+
+def test_parallel_contains_no_model_logic():
+    bad = {str(p.relative_to(ROOT)): hits for p in sorted((ROOT / "parallel").rglob("*.py"))
+           if (hits := model_logic(ast.parse(p.read_text())))}
+    assert bad == {}, f"model logic belongs in models/ (parallel/ drives its steps): {bad}"
+
+
+def test_the_check_catches_a_copy_of_the_forward():
+    """The shapes of the former hand-written copy (parallel/pipeline/overlap.py before the steps)."""
+    copy_of_forward = """
+from models.layers import rope_cos_sin
+from models.moe import sequence_balance_loss
+from models.transformer import _ce
+def block(blk, x, rope, moe, st, module, h, ids, labels):
+    h = x + blk.attn(blk.attn_norm(x), rope)
+    u = blk.ffn_norm(h)
+    idx, w, scores = moe.gate(u)
+    aux = sequence_balance_loss(scores, idx)
+    y = moe.experts(u, idx) + moe.shared_experts(u)
+    rope = rope_cos_sin(st.cfg, 8, h.device)
+    xk = module.eh_proj(torch.cat([module.enorm(st.mtp_embed(ids)), module.hnorm(h)], -1))
+    return _ce(st.head(st.norm(h)), labels), F.cross_entropy(y, labels)
+"""
+    hits = " ".join(model_logic(ast.parse(copy_of_forward)))
+    for what in ("imports rope_cos_sin", "imports sequence_balance_loss", "imports _ce", ".attn(",
+                 ".attn_norm(", ".ffn_norm(", ".gate(", "sequence_balance_loss(", ".experts(", ".shared_experts(",
+                 "rope_cos_sin(", ".eh_proj(", ".enorm(", ".hnorm(", "_ce(", ".head(", "cross_entropy("):
+        assert what in hits, (what, hits)
+
+
+# ---------------------------------------------------------------------------------- piecewise = straight
+CFG = dict(vocab_size=64, dim=32, n_layers=3, first_k_dense=1, inter_dim=48, n_heads=2, q_lora_rank=16,
+           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_inter_dim=16,
+           n_routed_experts=8, n_activated_experts=2, n_expert_groups=2, n_limited_groups=1, mtp_depth=1,
+           init_std=0.2)
+
+
+def _piecewise(model, ids, labels, mode: str, cuts: bool):
+    """The whole model as one pipeline stage on a tape; returns (loss, lm, mtp, aux, number of pieces)."""
+    tail = Tail(model.norm, model.head, model.mtp, model.embed)
+    tape = Tape(None, cuts)
+    steps = span_steps(model.cfg, ids, labels, embed=model.embed, blocks=model.layers, tail=tail, mtp_weight=0.3)
+    loss, (lm, mtp), aux = run(record(steps, tape))
+    tape.finish([loss, aux])
+    n = len(tape.pieces)
+    grads = [torch.ones(()), torch.full((), 0.01)]
+    if mode == "full":
+        run(backward_steps(tape, grads))
+    else:   # B then W, as the zero-bubble schedules split it
+        run(backward_steps(tape, grads, mode="input"))
+        assert all(p.grad is None for p in model.parameters()), "an input-only backward left parameter gradients"
+        weight_backward(tape, [p for p in model.parameters() if p.requires_grad])
+    return loss, lm, mtp, aux, n
+
+
+@pytest.mark.parametrize("cuts", [True, False])
+@pytest.mark.parametrize("mode", ["full", "input"])
+def test_piecewise_matches_straight_through(mode, cuts):
+    model = build(ModelConfig(**CFG), seed=0).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+    out = ref.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=0.3, aux_alpha=0.01)
+    out.loss.backward()
+    loss, lm, mtp, aux, n_pieces = _piecewise(model, ids[:, :-1], ids[:, 1:], mode, cuts)
+    assert n_pieces == (1 + 2 * 3 if cuts else 1)   # two cuts per MoE block: layers 1 and 2, and the MTP block
+    torch.testing.assert_close(lm.detach(), out.lm_loss, rtol=0, atol=0)
+    torch.testing.assert_close(mtp.detach(), out.mtp_loss, rtol=0, atol=0)
+    torch.testing.assert_close(0.01 * aux.detach(), out.aux_loss, rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for a, b in zip(model.moe_layers(), ref.moe_layers()):
+        assert torch.equal(a.tokens_per_expert, b.tokens_per_expert)
+
+
+def test_carrying_passes_the_callers_tensors_through_every_cut():
+    def inner(x):
+        (a,), (y,) = yield Cut((x,), [x * 2], LocalLink())
+        (a,), (z,) = yield Cut((a,), [y + 1], LocalLink())
+        return a + z
+
+    def outer(x, c):
+        got, (c,) = yield from carrying(inner(x), (c,))
+        return got, c
+
+    cuts, value, steps = [], None, outer(torch.tensor(1.0), torch.tensor(5.0))
+    while True:
+        try:
+            cut = steps.send(value)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        cuts.append(cut)
+        value = (tuple(t + 100 for t in cut.carry), cut.link(cut.sends))   # a driver may replace the carry
+    assert [len(c.carry) for c in cuts] == [2, 2] and float(cuts[1].carry[1]) == 105.0
+    assert [float(t) for t in result] == [1 + 100 + 100 + (2 + 1), 205.0]
+    assert [float(t) for t in drive(outer(torch.tensor(1.0), torch.tensor(5.0)))] == [1 + 3, 5.0]
