@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from errors import ConfigError
 from parallel.ep.apply import DISPATCHERS as EP_DISPATCHERS
+from parallel.recompute import MODES as RECOMPUTE_MODES
 from parallel.zero import MOMENT_DTYPES as ZERO_MOMENT_DTYPES
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
                          Piecewise, TrainConfig)
 
 PRECISIONS = ("fp32", "bf16", "fp8")             # train.precision
+RECOMPUTE = tuple(RECOMPUTE_MODES)               # train.recompute
 DEVICES = ("auto", "cpu", "cuda")                # train.device
 DISPATCHERS = tuple(EP_DISPATCHERS)            # parallel.ep_dispatcher
 ZERO_BACKENDS = ("native", "deepspeed")          # parallel.zero_backend
@@ -118,6 +120,7 @@ def _check_train(t: TrainConfig) -> None:
     if t.ema_decay is not None:
         _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")
     _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.recompute", t.recompute, RECOMPUTE)
     _one_of("train.device", t.device, DEVICES)
     if t.device == "cuda":
         import torch

@@ -97,7 +97,10 @@ class TrainConfig:
     seed: int = 0                     # model init and data order
     global_batch_size: int = 16       # sequences per optimizer step (over all data-parallel ranks)
     micro_batch_size: int = 8         # sequences per forward/backward on one rank
-    precision: str = "fp32"           # fp32 | bf16 (autocast, fp32 master weights) | fp8 (bf16 + FP8 linears/experts)
+    precision: str = "fp32"           # fp32 | bf16 (BF16 weights, FP32 master + grads in the optimizer) | fp8 (bf16 + FP8 linears/experts)
+    # Activation recomputation (parallel/recompute.py): none | selective (V3's set: RMSNorm, MLA up-projections,
+    # SwiGLU; recomputed in backward from their inputs) | full (each dense layer; a MoE layer's compute between its all-to-alls)
+    recompute: str = "none"
     device: str = "auto"              # auto (cuda if available) | cpu | cuda
     eval_every: int = 50              # validation every N steps (and before the first / after the last); 0 = only those
     eval_batches: int = 4             # validation batches of micro_batch_size sequences

@@ -2,7 +2,10 @@
 
 Queries: optionally low-rank (``q_lora_rank``): D -> q_lora (RMSNorm) -> H*(nope+rope).
 Keys/values: D -> kv_lora (RMSNorm) -> H*(nope+v), plus one shared rope key of R dims per token.
-Shape legend: B batch, T sequence, D hidden, H heads, R rope dim, N nope dim, V value dim, L latent rank.
+The two up-projection paths are methods (``q_up``, ``kv_up``: latent -> the attention core's inputs), so
+that a transform can recompute them in backward (``parallel/recompute.py``).
+Shape legend: B batch, T sequence, D hidden, H heads, R rope dim, N nope dim, V value dim, L latent rank,
+C a projection's output (latent, or latent + rope).
 """
 from __future__ import annotations
 
@@ -37,23 +40,27 @@ class MLA(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        H = self.n_heads
-        if hasattr(self, "wq"):
-            q = self.wq(x_BTD)
-        else:
-            q = self.wq_b(self.q_norm(self.wq_a(x_BTD)))
-        q_BHTQ = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)
-        q_nope, q_pe = q_BHTQ.split([self.nope, self.rope], dim=-1)
+        q_BHTQ = self.q_up(self.wq(x_BTD) if hasattr(self, "wq") else self.wq_a(x_BTD), rope)
+        k_BHTQ, v_BHTV = self.kv_up(self.wkv_a(x_BTD), rope)
+        o = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True, scale=self.softmax_scale)
+        return self.wo(o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
 
-        kv = self.wkv_a(x_BTD)
-        kv_BTL, k_pe_BTR = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+    def q_up(self, q_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Queries ``[B,H,T,N+R]`` for the attention core from the query latent (q_norm, then the wq_b
+        up-projection) or, without ``q_lora_rank``, from wq's output; rope on the last R dims of each head."""
+        B, T, _ = q_BTC.shape
+        q = self.wq_b(self.q_norm(q_BTC)) if hasattr(self, "wq_b") else q_BTC
+        q_nope, q_pe = q.view(B, T, self.n_heads, self.nope + self.rope).transpose(1, 2).split(
+            [self.nope, self.rope], dim=-1)
+        return torch.cat([q_nope, apply_rope(q_pe, *rope)], dim=-1)
+
+    def kv_up(self, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from wkv_a's output ``[B,T,L+R]``: the latent through
+        kv_norm and the wkv_b up-projection, and the one shared rope key (rotated) appended to every head."""
+        B, T, _ = kv_BTC.shape
+        H = self.n_heads
+        kv_BTL, k_pe_BTR = kv_BTC.split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv_BTL)).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v_BHTV = kv.split([self.nope, self.v_dim], dim=-1)
-
-        cos, sin = rope
-        q_pe = apply_rope(q_pe, cos, sin)
-        k_pe = apply_rope(k_pe_BTR.unsqueeze(1), cos, sin).expand(B, H, T, self.rope)
-        q_BHTQ = torch.cat([q_nope, q_pe], dim=-1)
-        k_BHTQ = torch.cat([k_nope, k_pe], dim=-1)
-        o = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True, scale=self.softmax_scale)
-        return self.wo(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
+        k_pe = apply_rope(k_pe_BTR.unsqueeze(1), *rope).expand(B, H, T, self.rope)
+        return torch.cat([k_nope, k_pe], dim=-1), v_BHTV

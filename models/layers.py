@@ -1,5 +1,8 @@
 """Building blocks shared by attention, MoE and the transformer: RMSNorm, SwiGLU MLP, rotary embedding.
 
+``SwiGLU`` (the product ``silu(h1) * h3``) is a parameterless module so that a transform can wrap it
+(``parallel/recompute.py`` recomputes it in backward from its inputs) without touching parameter names.
+
 Shape legend: B batch, T sequence, D hidden, H heads, R rope dim.
 """
 from __future__ import annotations
@@ -29,6 +32,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class SwiGLU(nn.Module):
+    """The gated activation ``silu(h1) * h3`` (no parameters)."""
+
+    def forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+        return F.silu(h1) * h3
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: w2(silu(w1 x) * w3 x). Used for dense layers and shared experts."""
 
@@ -37,9 +47,10 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(dim, inter_dim, bias=False)   # gate
         self.w2 = nn.Linear(inter_dim, dim, bias=False)   # down
         self.w3 = nn.Linear(dim, inter_dim, bias=False)   # up
+        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -7,6 +7,7 @@ from hydra import compose, initialize_config_module
 import models
 from configs import model_preset
 from configs.schema import register, to_object
+from errors import ConfigError
 from models.params import flops_per_token
 from tools.size import activation_bytes_per_token, main, plan_memory
 
@@ -140,3 +141,22 @@ def test_activation_estimate_matches_saved_tensors_on_tiny():
     estimate = (n_moe * per["moe_layer"] + (cfg.n_layers - n_moe) * per["dense_layer"] + per["head"]
                 + cfg.mtp_depth * per["mtp"])
     assert estimate == pytest.approx(measured, rel=0.25)
+
+
+def test_recompute_modes_order_the_activation_peak(capsys):
+    """--recompute selective sits between none and full; train.recompute is the default; full keeps more
+    than each layer's input in MoE layers (tools.plan's floor), and a bad mode is a one-line error."""
+    peaks = {r: plan_memory(compose_cfg(*V3_LAYOUT), world_size=2048, recompute=r).worst.act_peak
+             for r in ("none", "selective", "full", "floor")}
+    assert peaks["none"] > peaks["selective"] > peaks["full"] > peaks["floor"]
+    cfg = compose_cfg("+exp=tiny", "train.recompute=selective")
+    plan = plan_memory(cfg)
+    assert plan.recompute == "selective"
+    assert plan.ranks[0].act_peak == plan_memory(cfg, recompute="selective").ranks[0].act_peak
+    assert plan.ranks[0].act_recompute > 0 and plan_memory(cfg, recompute="none").ranks[0].act_recompute == 0
+    assert main(["+exp=tiny", "--recompute", "selective"]) == 0
+    assert "recompute selective" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["+exp=tiny", "--recompute", "v3"])
+    with pytest.raises(ConfigError, match="--recompute: 'v3'"):
+        plan_memory(cfg, recompute="v3")

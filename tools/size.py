@@ -10,7 +10,7 @@ Arguments are Hydra overrides, as for the trainer, plus these options (anywhere 
   --gpu-mem-gb G      memory per GPU for the verdict (default 80)
   --headroom F        fraction of it kept free for the CUDA context, NCCL buffers and fragmentation (0.1)
   --recipe v3|trainer precision of the model state (default v3, see below)
-  --recompute none|full  activation recomputation (default none)
+  --recompute none|selective|full  activation recomputation (default: the config's train.recompute, none)
 
 The config is composed like the trainer's, but only the model and the layout are validated
 (``parallel.dims.validate_layout``: the sizes, the model against EP, the schedule, ``parallel.zero`` in
@@ -21,9 +21,10 @@ parameters of the stages on the rank (replicated over dp) and P_e = their routed
 (each expert-parallel rank holds E/ep experts per layer):
   recipe v3 (DeepSeek-V3): BF16 compute weights 2 (P_d + P_e); FP32 gradients 4 (P_d + P_e);
       optimizer: FP32 master weights + BF16 AdamW moments = 4 + 2 + 2 = 8 (P_d + P_e)
-  recipe trainer (this trainer, fp32 or bf16 autocast): FP32 weights 4, FP32 gradients 4; optimizer: AdamW
+  recipe trainer (this trainer): train.precision=fp32: FP32 weights 4, FP32 gradients 4; optimizer: AdamW
       moments in ``optim.moment_dtype`` (without ZeRO fp32, 8, the weights being the master copy; under
-      ZeRO an FP32 master shard too: 4 + 2 + 2 with the default BF16 moments)
+      ZeRO an FP32 master shard too: 4 + 2 + 2 with the default BF16 moments); bf16 / fp8: BF16 weights 2
+      and an FP32 master always (without ZeRO 4 + 8 for the master and moments), as v3
   ZeRO-1 divides the optimizer state: P_d's by dp, P_e's by edp = dp/ep (the replicas of an expert
   shard); ZeRO-2 divides the gradients the same way.
 Pipeline stages: layers split by ``parallel.pipeline.stages.layer_split`` (``parallel.pp_layout`` or
@@ -31,25 +32,13 @@ even, extra layers to the middle stages); stage 0 holds the embedding, the last 
 the head and the MTP modules (plus a tied copy of the embedding for MTP when stage 0 lives on another
 rank: 1F1B, ZB1P). 1F1B/ZB1P: rank r holds stage r. DualPipe: stages r and pp-1-r (every stage twice,
 so 2x parameters; rank 0 holds both ends). DualPipeV: 2*pp stages, r and 2*pp-1-r.
-Activations (saved for backward, per token; a = 2 bytes for bf16 activations, 4 for fp32; f = 4):
-  norm(n)   = n*f + 2*n*a            fp32 copy for the variance, normalised, scaled (the next matmul's input)
-  attention = norm(D) + norm(q_lora) + norm(kv_lora) + R*a + (2*H*d_qk + H*(d_nope + d_v) + 2*H*d_v)*a + H*f
-              (q and k for SDPA, the kv up-projection output that holds v, the output and its reshaped copy,
-              the log-sum-exp of a flash kernel)
-  dense FFN = norm(D) + 4*I*a        (gate, SiLU, up, product)
-  MoE       = norm(D) + E*f + 2*K*f + 16*K + 2*K*D*a + 4*K*F*a + 4*F_s*a
-              (router scores, gate weights, int64 indices, dispatched and returned token copies, SwiGLU of
-              K experts and of the shared experts)
-  head use  = norm(D) + V*f          (fp32 log-softmax of the logits)
-  MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
+Activations: ``tools/activations.py`` (saved bytes per token and layer, by ``train.recompute`` mode).
 A stage's activations per micro-batch are micro_batch_size x seq_len tokens times the sum over its
 layers (+ the head and MTP on the last stage). The peak per rank walks the schedule's action list
 through ``parallel.pipeline.simulator.peak_live`` (an activation lives from its F to the end of its backward),
 weighting each live activation by its stage's size; without a pipeline one micro-batch is live.
-``--recompute full`` keeps only each layer's input (D*a per token) per micro-batch in flight, plus once
-the largest piece recomputed at a time (one layer, or the head and MTP on the last stage).
-Not modelled: temporary buffers (all-to-all, logits before the loss), FP8 caches, fragmentation; the
-headroom stands for them.
+Not modelled: temporary buffers (all-to-all, logits before the loss), FP8 caches, autocast's weight copies
+and the gate's fp32 input copy under bf16, fragmentation; the headroom stands for them.
 """
 from __future__ import annotations
 
@@ -61,44 +50,22 @@ from dataclasses import dataclass, field
 import models
 from configs.schema import Config, compose
 from errors import ConfigError
-from models.config import ModelConfig, ModelError
+from models.config import ModelError
 from models.moe import GroupedExperts
 from models.params import count_params, flops_per_token
 from parallel.dims import ParallelDims, validate_layout
 from parallel.pipeline.schedules import Schedule, get_schedule
 from parallel.pipeline.simulator import Costs, peak_live, simulate
-from parallel.zero import MOMENT_DTYPES, moment_dtype
+from parallel.recompute import MODES as RECOMPUTE
+from parallel.zero import MOMENT_DTYPES, WEIGHT_DTYPES, moment_dtype, weights_for
 from parallel.zero.memory import formula
+from tools.activations import FLOOR, activation_bytes_per_token, stage_activations  # noqa: F401 (re-exported)
 
 GB = 1e9
-RECIPES = {  # bytes per (weight, AdamW moment); None: the trainer's moment dtype (recipe_bytes)
+RECIPES = {  # bytes per (weight, AdamW moment); None: the trainer's weight / moment dtype (recipe_bytes)
     "v3": (2, 2),
-    "trainer": (4, None),
+    "trainer": (None, None),
 }
-
-
-# ---- activations -----------------------------------------------------------------------------------
-def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False) -> dict:
-    """Saved-for-backward bytes per token: ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one
-    depth, its head use included). ``math_attention`` adds the attention probabilities (H*T*f) that the
-    non-flash SDPA path keeps (PyTorch on CPU); the formula is in the module doc."""
-    f = 4
-    D, H, R = m.dim, m.n_heads, m.qk_rope_head_dim
-
-    def norm(n: int) -> int:
-        return n * f + 2 * n * a
-
-    attn = (norm(D) + (norm(m.q_lora_rank) if m.q_lora_rank else 0) + norm(m.kv_lora_rank) + R * a
-            + (2 * H * m.qk_head_dim + H * (m.qk_nope_head_dim + m.v_head_dim) + 2 * H * m.v_head_dim) * a + H * f)
-    if math_attention:
-        attn += H * seq_len * f
-    K, F, E = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts
-    moe = (norm(D) + E * f + 2 * K * f + 16 * K + 2 * K * D * a + 4 * K * F * a
-           + 4 * F * m.n_shared_experts * a)
-    dense = norm(D) + 4 * m.inter_dim * a
-    head = norm(D) + m.vocab_size * f
-    mtp = 2 * norm(D) + 2 * D * a + attn + moe + head
-    return {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head, "mtp": mtp}
 
 
 # ---- parameters per stage ------------------------------------------------------------------------
@@ -151,8 +118,9 @@ class RankMemory:
     weights: float             # bytes
     grads: float
     optim: float
-    act_microbatch: float      # the largest held stage, one micro-batch
-    act_peak: float            # in flight at the schedule's peak
+    act_microbatch: float      # the largest held stage, one micro-batch (+ act_recompute)
+    act_peak: float            # in flight at the schedule's peak (+ act_recompute)
+    act_recompute: float       # recomputed tensors held at once in backward (train.recompute)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -201,10 +169,13 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
 
 def recipe_bytes(cfg: Config, recipe: str) -> tuple[int, int]:
     """(bytes per weight, per AdamW moment) under ``recipe``: v3 is DeepSeek-V3's BF16 weights and moments,
-    trainer this trainer's fp32 weights and the moment dtype ``optim.moment_dtype`` resolves to."""
+    trainer this trainer's weights (FP32 with train.precision=fp32, else BF16 beside an FP32 master) and the
+    moment dtype ``optim.moment_dtype`` resolves to."""
     if recipe not in RECIPES:
         raise ConfigError(f"--recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
     weight, moment = RECIPES[recipe]
+    if weight is None:
+        weight = WEIGHT_DTYPES[weights_for(cfg.train.precision)].itemsize
     if moment is None:
         p = cfg.parallel
         moment = MOMENT_DTYPES[moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend)].itemsize
@@ -225,21 +196,6 @@ def _pipeline(p, n_micro: int, notes: list[str]):
     return n_micro, schedule, sim
 
 
-def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int,
-                      recompute: str) -> list[tuple[float, float]]:
-    """Per stage: (bytes saved per micro-batch, working set recomputed at once)."""
-    per_tok = activation_bytes_per_token(m, a)
-    out = []
-    for s, layers in enumerate(split):
-        layer_bytes = [per_tok["moe_layer" if m.is_moe_layer(i) else "dense_layer"] for i in layers]
-        ends = per_tok["head"] + m.mtp_depth * per_tok["mtp"] if s == len(split) - 1 else 0
-        if recompute == "full":   # keep each layer's input; recompute one layer (or the head + MTP) at a time
-            out.append((len(layer_bytes) * m.dim * a * tokens, max(layer_bytes + [ends]) * tokens))
-        else:
-            out.append(((sum(layer_bytes) + ends) * tokens, 0.0))
-    return out
-
-
 def rank_params(parts: Parts, split: list[range], held: list[int], mtp_depth: int) -> tuple[int, int, list[str]]:
     """(dense, routed-expert parameters of all E experts, notes) of the stages ``held`` by one rank."""
     layers = [i for s in held for i in split[s]]
@@ -257,11 +213,16 @@ def rank_params(parts: Parts, split: list[range], held: list[int], mtp_depth: in
     return dense, expert, notes
 
 
-def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", recompute: str = "none",
-                model=None, dims: ParallelDims | None = None) -> Plan:
+def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", recompute: str | None = None,
+                model=None, dims: ParallelDims | None = None, math_attention: bool = False) -> Plan:
     """Per-pipeline-rank memory of ``cfg``'s layout on ``world_size`` ranks (default pp x ep); ``dims``: a
-    layout already validated (the trainer's own) in place of ``world_size``."""
+    layout already validated (the trainer's own) in place of ``world_size``; ``recompute``: a
+    ``train.recompute`` mode (default: ``cfg``'s); ``math_attention``: size the attention core of PyTorch's
+    math SDPA (the CPU path) instead of a flash kernel's."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
+    recompute = t.recompute if recompute is None else recompute
+    if recompute not in (*RECOMPUTE, FLOOR):
+        raise ConfigError(f"--recompute: {recompute!r} is not one of {', '.join(RECOMPUTE)}")
     dims = dims or check_layout(cfg, world_size or p.pp * p.ep)
     w_b, m_b = recipe_bytes(cfg, recipe)
     parts = model_parts(model if model is not None else models.build(m, "meta"))
@@ -270,7 +231,7 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     n_micro, schedule, sim = _pipeline(p, max(1, t.global_batch_size // (t.micro_batch_size * dims.dp)), notes)
     split = split_layers(m.n_layers, n_stages(p.schedule, p.pp), p.pp_layout)
     tokens = t.micro_batch_size * cfg.data.seq_len
-    acts = stage_activations(m, split, a, tokens, recompute)
+    acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention)
     ranks = []
     for r in range(p.pp):
         held = stages_of_rank(schedule, r)
@@ -282,7 +243,8 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
         ranks.append(RankMemory(
             pp_rank=r, stages=held, layers=[i for s in held for i in split[s]], params_dense=dense,
             params_expert=expert, weights=state["params"], grads=state["grads"], optim=state["master"] + state["optim"],
-            act_microbatch=max(saved.values()) + working, act_peak=peak + working, notes=rnotes))
+            act_microbatch=max(saved.values()) + working, act_peak=peak + working, act_recompute=working,
+            notes=rnotes))
     return Plan(dims.world_size, p.pp, dims.dp, p.ep, dims.edp, p.schedule, p.zero, recipe, recompute, a, tokens,
                 n_micro, ranks, notes, sim.max_bubble / sim.makespan if sim else None)
 
@@ -344,7 +306,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the verdict (default 80)")
     ap.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (default 0.1)")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="v3", help="model-state precision (default v3)")
-    ap.add_argument("--recompute", choices=("none", "full"), default="none", help="activation recomputation")
+    ap.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                    help="activation recomputation (default: train.recompute, itself none by default)")
     return ap.parse_known_args(argv)
 
 

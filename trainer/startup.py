@@ -12,6 +12,7 @@ from errors import ConfigError
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
 from parallel.pipeline.runner import PipelineRunner
+from parallel.recompute import apply_recompute
 
 from .blend import BlendedBatches, blend_val_batches
 from .data import PackedBatches, load_corpus, val_batches
@@ -64,6 +65,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: 
     if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
         from parallel.fp8 import apply_fp8
         apply_fp8(model)
+    apply_recompute(model, t.recompute)   # train.recompute, after the module swaps (parallel/recompute.py)
     pipe = None
     if dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
         n_micro = batch_size_at(t, 0) // (t.micro_batch_size * dims.dp)   # the first step's

@@ -1,0 +1,127 @@
+"""Activation recomputation (``train.recompute``): ``apply_recompute(model, mode)`` makes chosen regions of
+a built model keep only their inputs for backward and run again there (non-reentrant
+``torch.utils.checkpoint``: the region's saved tensors are recomputed on first use by each backward).
+
+Modes:
+- ``none``: autograd keeps everything it saves.
+- ``selective`` (DeepSeek-V3's set, report §3.2.2 / §3.3): every RMSNorm outside MLA (attention / FFN
+  norms, the final and the MTP norms) keeps only its input; MLA's up-projection paths ``MLA.q_up`` (q_norm,
+  wq_b, rope) and ``MLA.kv_up`` (kv_norm, wkv_b, rope of the shared key) keep only the latent they start
+  from; every ``SwiGLU`` product (dense MLPs, shared experts) keeps only ``h1, h3``. The outputs of these
+  regions are still kept by whatever consumes them: the attention core keeps q, k, v (v holds wkv_b's
+  output); a norm's output is kept by the next linear, as an FP8 copy when that linear is FP8
+  (``train.precision=fp8``, ``parallel/fp8.py``) -- V3's layout -- else in the activation dtype; the SwiGLU
+  product by w2 likewise. Routed experts are not covered until ``GroupedExperts`` computes its product
+  through a ``SwiGLU`` module too (``models/moe.py``); then they are, with no change here.
+- ``full``: a dense block keeps only its input (``Block.forward`` is one region). A MoE block cannot be one
+  region (its dispatch / combine all-to-alls must not run again in backward, and ``MoE.forward`` counts
+  routed tokens): its compute modules are regions -- ``attn_norm``, ``attn`` (all of MLA), ``ffn_norm``, the
+  shared experts and the routed experts -- so per MoE layer it keeps the block input, the attention
+  input, the residual after attention, the FFN-norm output (gate and shared experts), the gate's and
+  balance loss's tensors, the dispatched token copies and the combine's (expert outputs, gate weights).
+  The final norm, head, loss and MTP's projection are not recomputed (MTP's block is, like any block).
+
+No region contains a collective: regions are module calls between the expert all-to-alls, so the same
+regions serve ``Block.forward`` and the pipeline's piecewise F&B (``parallel/pipeline/overlap.py``, whose
+pieces call these modules). A backward that only computes input gradients (B, ``inputs=``) recomputes a
+region once; a later W that walks the graph again recomputes it again (each backward call is its own
+graph task; measured in ``tests/test_recompute.py``).
+
+Mechanism: each chosen module's class is swapped for a subclass whose region methods run under
+``checkpoint`` (as ``torch.distributed.fsdp.fully_shard`` swaps classes): parameters, state-dict keys and
+numerics are unchanged. Apply it after every transform that replaces modules (``apply_ep``, ``apply_fp8``):
+a replaced module is a new object of its own class and would not recompute.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.attention import MLA
+from models.layers import MLP, RMSNorm, SwiGLU
+from models.moe import MoE
+from models.transformer import Block
+
+MODES = ("none", "selective", "full")   # train.recompute
+
+
+def _checkpointed(fn: Callable) -> Callable:
+    """``fn(self, *args)`` as a region: non-reentrant checkpoint keeps its tensor inputs and recomputes the
+    rest in backward. The model draws no random numbers in forward, so the RNG state is not saved."""
+    @functools.wraps(fn)
+    def region(self, *args):
+        return checkpoint(fn, self, *args, use_reentrant=False, preserve_rng_state=False)
+    return region
+
+
+def _swap(module: nn.Module, methods: tuple[str, ...], classes: dict) -> None:
+    """Turn ``methods`` of ``module`` into regions by swapping its class for a subclass (one per
+    (class, methods) and ``apply_recompute`` call)."""
+    cls = type(module)
+    if getattr(cls, "recomputed", ()) == methods:   # applied before
+        return
+    key = (cls, methods)
+    if key not in classes:
+        ns = {name: _checkpointed(getattr(cls, name)) for name in methods}
+        ns.update(recomputed=methods, __module__=__name__,
+                  __doc__=f"{cls.__name__} whose {', '.join(methods)} recompute in backward (parallel/recompute.py).")
+        classes[key] = type(f"Recomputed{cls.__name__}", (cls,), ns)
+    module.__class__ = classes[key]
+
+
+def _selective(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    in_mla = {id(m) for mla in model.modules() if isinstance(mla, MLA) for m in mla.modules()}
+    out = []
+    for m in model.modules():
+        if isinstance(m, MLA):
+            out.append((m, ("q_up", "kv_up")))
+        elif isinstance(m, RMSNorm) and id(m) not in in_mla:
+            out.append((m, ("forward",)))
+        elif isinstance(m, SwiGLU):
+            out.append((m, ("forward",)))
+    return out
+
+
+def _full(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    out = []
+    for blk in (m for m in model.modules() if isinstance(m, Block)):
+        moe = blk.ffn
+        if not isinstance(moe, MoE):
+            out.append((blk, ("forward",)))
+            continue
+        parts = [blk.attn_norm, blk.attn, blk.ffn_norm, moe.experts]
+        if isinstance(moe.shared_experts, MLP):
+            parts.append(moe.shared_experts)
+        out += [(m, ("forward",)) for m in parts]
+    return out
+
+
+def apply_recompute(model: nn.Module, mode: str) -> list[str]:
+    """Make ``model``'s regions for ``mode`` (see the module docstring) recompute in backward, in place.
+    Returns the regions as ``"<module name>.<method>"``. Idempotent."""
+    if mode not in MODES:
+        raise ValueError(f"train.recompute: {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "none":
+        return []
+    targets = _selective(model) if mode == "selective" else _full(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    wanted = [f"{names[id(m)]}.{meth}" for m, methods in targets for meth in methods]
+    done = regions(model)
+    if done and set(done) != set(wanted):
+        raise ValueError(f"apply_recompute: the model already recomputes other regions ({done[0]}, ...); "
+                         f"one mode per model")
+    classes: dict = {}
+    for module, methods in targets:
+        _swap(module, methods, classes)
+    return wanted
+
+
+def regions(model: nn.Module) -> list[str]:
+    """The recomputed regions of ``model`` now, as ``"<module name>.<method>"``."""
+    return [f"{n}.{meth}" for n, m in model.named_modules() for meth in getattr(type(m), "recomputed", ())]
+
+
+__all__ = ["MODES", "apply_recompute", "regions"]

@@ -1,0 +1,92 @@
+"""Activation memory model of ``tools.size``: bytes saved for backward per token, by ``train.recompute`` mode
+(``parallel/recompute.py`` says what each mode recomputes); a = 2 bytes for bf16 activations, 4 for fp32; f = 4:
+  none      norm(n)   = n*f + 2*n*a   fp32 copy for the variance, normalised, scaled (the next matmul's input)
+            attention = norm(D) + norm(q_lora) + norm(kv_lora) + R*a + core
+            core      = (2*H*d_qk + H*(d_nope + d_v) + 2*H*d_v)*a + H*f   (flash: q, k, the kv up-projection
+                        output that holds v, the output and its reshaped copy, the log-sum-exp); PyTorch's
+                        math SDPA (CPU, ``math_attention``): (2*H*d_qk + 2*H*d_v)*a + H*T*f (probabilities)
+            dense FFN = norm(D) + 4*I*a   (gate, SiLU, up, product)
+            MoE       = norm(D) + route + 2*K*D*a + 4*K*F*a + 4*F_s*a, route = E*f + 2*K*f + 16*K
+                        (router scores, gate weights, int64 indices; dispatched and returned token copies,
+                        SwiGLU of K experts and of the shared experts)
+            head use  = norm(D) + V*f     (fp32 log-softmax of the logits)
+            MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
+  selective a norm keeps its input and the next linear its output: snorm = 2*D*a; the up-projections keep
+            their latents: attention = snorm + q_lora*a (H*d_qk*a without q_lora) + (kv_lora + R)*a + core;
+            a SwiGLU keeps h1, h3 and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a
+            (routed experts as none); head use = snorm + V*f; MTP's norms: 3*D*a instead of 2*norm(D) + 2*D*a
+  full      dense layer = D*a (its input); MoE layer = 4*D*a + route + 2*K*D*a (block input, attention input,
+            residual, FFN-norm output; the dispatched and returned token copies); head use and MTP's
+            projection as none, MTP's block as a layer
+Recomputation holds one layer's recomputed tensors at a time in backward, counted once per rank: selective
+the bytes a layer drops, full a whole dense layer, or the largest region of a MoE layer (MLA, the
+routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
+Checked against the bytes autograd saves on CPU (``tests/test_size.py``, ``tests/test_recompute.py``) and
+against a DualPipe run's measured peak (``bench/recompute_memory.py``).
+"""
+from __future__ import annotations
+
+from models.config import ModelConfig
+
+# Planning only (tools.plan's bound for DeepSeek-V3's own recipe), not a train.recompute mode: each layer keeps
+# just its input -- the least any recomputation can keep; this trainer's full keeps more in MoE layers.
+FLOOR = "floor"
+
+
+def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False,
+                               recompute: str = "none") -> dict:
+    """Saved-for-backward bytes per token under ``recompute``: ``dense_layer``, ``moe_layer``, ``head`` (one
+    use), ``mtp`` (one depth, its head use included), and ``dense_region`` / ``moe_region``: the most that
+    one layer's recomputation holds at once in backward (0 without recompute). ``math_attention``: the
+    attention core of PyTorch's math SDPA (CPU), which keeps the probabilities (H*T*f), instead of a flash
+    kernel's. The formulas are in the module doc."""
+    f = 4
+    D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
+    K, F, E, I = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts, m.inter_dim
+    Fs = F * m.n_shared_experts
+
+    def norm(n: int) -> int:
+        return n * f + 2 * n * a
+
+    core = ((2 * H * qk + 2 * H * V) * a + H * seq_len * f if math_attention
+            else (2 * H * qk + H * (N + V) + 2 * H * V) * a + H * f)
+    route = E * f + 2 * K * f + 16 * K
+    experts = 2 * K * D * a + 4 * K * F * a
+    attn = norm(D) + (norm(Q) if Q else 0) + norm(L) + R * a + core
+    moe, dense, head = norm(D) + route + experts + 4 * Fs * a, norm(D) + 4 * I * a, norm(D) + m.vocab_size * f
+    out = {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
+           "mtp": 2 * norm(D) + 2 * D * a + attn + moe + head, "dense_region": 0, "moe_region": 0}
+    if recompute == "selective":
+        snorm = 2 * D * a
+        s_attn = snorm + (Q or H * qk) * a + (L + R) * a + core
+        s_moe, s_head = snorm + route + experts + 3 * Fs * a, snorm + m.vocab_size * f
+        sel = {"dense_layer": s_attn + snorm + 3 * I * a, "moe_layer": s_attn + s_moe, "head": s_head,
+               "mtp": 3 * D * a + s_attn + s_moe + s_head}
+        out.update(sel, dense_region=out["dense_layer"] - sel["dense_layer"],
+                   moe_region=out["moe_layer"] - sel["moe_layer"])
+    elif recompute == "full":
+        f_moe = 4 * D * a + route + 2 * K * D * a
+        out.update(dense_layer=D * a, moe_layer=f_moe, mtp=2 * norm(D) + 2 * D * a + f_moe + head,
+                   dense_region=attn + dense, moe_region=max(attn - norm(D), 4 * K * F * a, 4 * Fs * a))
+    return out
+
+
+def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int, recompute: str,
+                      seq_len: int = 0, math_attention: bool = False) -> list[tuple[float, float]]:
+    """Per stage: (bytes saved per micro-batch, the most one layer's recomputation holds at once)."""
+    per_tok = activation_bytes_per_token(m, a, seq_len, math_attention, "none" if recompute == FLOOR else recompute)
+    out = []
+    for s, layers in enumerate(split):
+        kinds = ["moe" if m.is_moe_layer(i) else "dense" for i in layers]
+        last = s == len(split) - 1
+        ends = per_tok["head"] + m.mtp_depth * per_tok["mtp"] if last else 0
+        if recompute == FLOOR:   # each layer's input; one layer (or the head and MTP) recomputed at a time
+            regions = [per_tok[f"{k}_layer"] for k in kinds] + [ends]
+            out.append((len(layers) * m.dim * a * tokens, max(regions) * tokens))
+            continue
+        if last and m.mtp_depth:
+            kinds.append("moe" if m.is_moe_layer(m.n_layers) else "dense")   # the MTP blocks
+        saved = sum(per_tok[f"{k}_layer"] for k in kinds[:len(layers)]) + ends
+        out.append((saved * tokens, max([per_tok[f"{k}_region"] for k in kinds] + [0]) * tokens))
+    return out
