@@ -1,4 +1,4 @@
-"""Data parallelism for replicated and expert-sharded parameters (no ZeRO yet).
+"""Data parallelism for replicated and expert-sharded parameters (without ZeRO: ``parallel.zero=0``).
 
 Gradient of the global-batch mean loss, from per-rank mean losses:
 * replicated parameters: all-reduce SUM over the dp group, divide by dp;
@@ -28,11 +28,13 @@ def _all_reduce_flat(grads: list[torch.Tensor], group, scale: float) -> None:
         offset += g.numel()
 
 
-def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
+def sync_gradients(model: nn.Module, dims: ParallelDims, named: list | None = None) -> None:
+    """Average ``.grad`` over data parallelism (see the module doc). ``named``: the ``(name, tensor)`` pairs
+    whose ``.grad`` to reduce instead of the model's parameters (an FP32 master copy), by the same names."""
     if dims.dp == 1:
         return
     expert = is_expert_param(model)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if named is None else named
     for _, p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -42,13 +44,15 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
     _all_reduce_flat(experts, dims.group("edp") if dims.edp > 1 else None, 1.0 / dims.dp)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None,
+                   named: list | None = None) -> torch.Tensor:
     """Global L2 norm over all parameters (a float64 scalar tensor on the parameters' device), clipped in
     place. Expert shards are summed over the EP group, pipeline stages over the pp group; ``weight(name)``
     (1 / holders) counts a tensor held by several pipeline ranks (DualPipe replicas, tied embeddings) once.
-    No host sync: the clip factor min(1, max_norm / norm) is applied on the device, like torch's own."""
+    No host sync: the clip factor min(1, max_norm / norm) is applied on the device, like torch's own.
+    ``named``: as in ``sync_gradients``."""
     expert = is_expert_param(model)
-    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    params = [(n, p) for n, p in (model.named_parameters() if named is None else named) if p.grad is not None]
     device = params[0][1].device if params else torch.device("cpu")
     sq = {True: [], False: []}
     for n, p in params:

@@ -43,3 +43,12 @@ def to_local(tree: Any) -> Any:
     if isinstance(tree, list):
         return [to_local(v) for v in tree]
     return tree
+
+
+def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with ``template``'s mesh, placements and global shape when ``template`` is one
+    (e.g. an EMA of a ZeRO master piece checkpointed like that piece), else ``local`` itself."""
+    if not isinstance(template, DTensor):
+        return local
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())

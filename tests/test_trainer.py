@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.checkpoint import CheckpointManager
 
@@ -170,6 +171,8 @@ def test_fp8_training_runs(tmp_path, cache):
     from parallel.fp8 import FP8Linear
     assert isinstance(trainer.model.layers[0].attn.wo, FP8Linear)
     assert not isinstance(trainer.model.head, FP8Linear)
+    assert trainer.model.layers[0].attn.wo.weight.dtype == torch.bfloat16   # BF16 weights, quantised per GEMM
+    assert trainer.opt.master_weights()["layers.0.attn.wo.weight"].dtype == torch.float32
     summary = trainer.train()
     assert abs(summary["last"]["loss"] - 6.93) < 0.3
 

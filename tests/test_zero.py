@@ -67,14 +67,14 @@ def _memory_worker(rank, world):
     from tests.trainer_utils import make_config
     import models
     out = {}
-    for zero, ep in ((0, 1), (1, 1), (2, 2)):
+    for zero, ep, weights in ((0, 1, "fp32"), (1, 1, "fp32"), (2, 2, "fp32"), (1, 1, "bf16")):
         cfg = make_config(f"parallel.zero={zero}")
         cfg.parallel.ep = ep   # make_config validates for one process; the layout is this world's
         dims = ParallelDims(world_size=world, rank=rank, ep=ep).build_groups()
         model = apply_ep(models.build(cfg.model, seed=0), dims)
         p = cfg.parallel
-        rep = build_optimizer(model, cfg.optim, dims, p.zero, p.zero_backend, p.zero_bucket_mb).memory()
-        out[(zero, ep)] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params,
+        rep = build_optimizer(model, cfg.optim, dims, p.zero, p.zero_backend, p.zero_bucket_mb, weights=weights).memory()
+        out[(zero, ep) if weights == "fp32" else weights] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params,
                            moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend),
                            rep.line())
     measured0, formula0, n_dense, n_expert, _, _ = out[(0, 1)]
@@ -96,6 +96,10 @@ def _memory_worker(rank, world):
     shard = d2 / 4 + e2 / 2
     assert formula2["grads"] == round(4 * shard) <= measured2["grads"] <= round(4 * shard) + pad
     assert math.isclose(measured2["optim"], 4 * shard, rel_tol=0.02)
+    # ZeRO-1 with BF16 weights: 2-byte weights, FP32 gradients; the FP32 master is sharded as with FP32 weights
+    measured_b, formula_b, *_ = out["bf16"]
+    assert measured_b["params"] == formula_b["params"] == 2 * n and formula_b["master"] == formula1["master"]
+    assert measured_b["grads"] == formula_b["grads"] == 4 * n and measured_b["master"] == measured1["master"]
 
 
 def test_memory_accounting_dp4(tmp_path):

@@ -8,7 +8,9 @@ to one background thread, which overlaps the next step's compute (torch ops rele
 ``update``, ``state_dict`` or ``load_state_dict`` waits for it first. The EMA is fp32 whatever the
 parameters' dtype; skipped steps (non-finite) do not update it. Checkpoints store it under ``ema`` with
 the model's single-device names (``parallel/state_dict.py``), so it reshards like the weights, and
-``python -m tools.convert_hf export --ema`` writes it instead of the weights.
+``python -m tools.convert_hf export --ema`` writes it instead of the weights. With BF16 weights
+(``train.precision=bf16|fp8``) it averages the optimizer's FP32 master instead (``opt.master_weights()``:
+under ZeRO this rank's master pieces, so each rank keeps the EMA of its own shard), never the BF16 rounding.
 """
 from __future__ import annotations
 
@@ -16,12 +18,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class ParamEMA:
-    def __init__(self, model: nn.Module, decay: float):
+    def __init__(self, params: nn.Module | dict[str, torch.Tensor], decay: float):
+        """``params``: a module (its parameters) or name -> tensor (a DTensor: its local piece is averaged)."""
         self.decay = float(decay)
-        self.named = [(n, p) for n, p in model.named_parameters()]
+        named = params.named_parameters() if isinstance(params, nn.Module) else params.items()
+        self.named = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in named]
         cuda = any(p.is_cuda for _, p in self.named)
         self.shadow = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.named}
         self._staging = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda) for n, p in self.named}

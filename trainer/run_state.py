@@ -9,10 +9,10 @@ import numpy as np
 import torch
 import yaml
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from errors import ConfigError
-from parallel.state_dict import to_global, to_local
+from parallel.state_dict import like, to_global, to_local
 
 from .checkpoint import has_state
 from .metrics import RUN_ID_FILE
@@ -21,8 +21,12 @@ from .startup import tokenizer_json
 
 def state_dict(trainer) -> dict:
     """Weights and EMA (single-device names, global shapes), optimizer moments, step, tokens, LR position,
-    data position and RNG states."""
+    data position and RNG states. BF16 weights are stored as their FP32 master (under ZeRO each rank's
+    pieces), so a checkpoint holds FP32 weights whatever the precision: runs of either precision resume it."""
     model_sd, _ = to_global(get_model_state_dict(trainer.model), {}, trainer.model, trainer.dims)
+    master = trainer.opt.master_weights()
+    if master is not None:
+        model_sd.update(master)
     optim_sd = trainer.opt.state_dict()   # moments per parameter name, global shapes (DTensor pieces)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if trainer.device.type == "cuda":   # this rank's GPU only: touching the others would create contexts there
@@ -31,7 +35,9 @@ def state_dict(trainer) -> dict:
              "data": trainer.batches.state_dict(), "rng": rng}
     state = {"model": model_sd, "optim": optim_sd, "extra": extra}
     if trainer.ema is not None:   # single-device names and global shapes, like the weights: it reshards
-        state["ema"] = to_global(dict(trainer.ema.state_dict()), {}, trainer.model, trainer.dims)[0]
+        ema = dict(trainer.ema.state_dict())
+        state["ema"] = to_global(ema, {}, trainer.model, trainer.dims)[0] if master is None else \
+            {n: like(master[n], t) for n, t in ema.items()}   # the EMA of master pieces is cut like them
     return state
 
 
@@ -44,7 +50,7 @@ def resume(trainer, path: Path) -> None:
     if ema is not None and not ema_saved:
         del state["ema"]   # train.ema_decay newly set: the EMA starts from the resumed weights
     trainer.ckpt.load(path, state, verify=False)
-    set_model_state_dict(trainer.model, to_local(state["model"]))
+    load_weights(trainer, state["model"])
     if ema_saved:
         ema.load_state_dict(to_local(state["ema"]))
     elif ema is not None:
@@ -59,6 +65,18 @@ def resume(trainer, path: Path) -> None:
     np.random.set_state(extra["rng"]["numpy"])
     if "cuda" in extra["rng"] and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(extra["rng"]["cuda"], trainer.device)
+
+
+def load_weights(trainer, model_sd: dict) -> None:
+    """Loaded ``state["model"]`` into the model; with BF16 weights its parameters are the FP32 master, which
+    goes to the optimizer (that casts the weights from it) and the buffers to the model."""
+    master = trainer.opt.master_weights()
+    if master is None:
+        set_model_state_dict(trainer.model, to_local(model_sd))
+        return
+    rest = {k: v for k, v in model_sd.items() if k not in master}
+    set_model_state_dict(trainer.model, to_local(rest), options=StateDictOptions(strict=False))
+    trainer.opt.load_master_weights({k: model_sd[k] for k in master})
 
 
 def restore_lr(trainer, last_epoch: int) -> None:

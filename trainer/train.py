@@ -11,7 +11,7 @@ from configs.schema import Config
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
-from parallel.zero import NonFiniteGradients, build_optimizer
+from parallel.zero import NonFiniteGradients, build_optimizer, weights_for
 
 from . import run_state
 from .blend import BlendedBatches
@@ -58,13 +58,16 @@ class Trainer:
         hf_init = init is not None and self._resume_path is None and (Path(init).expanduser() / "config.json").is_file()
         self.model, self.pipe = build_model(cfg, self.dims, self.device, on_meta=hf_init)
         # Start-up lines for the log (written once the logger exists). init_from comes before the optimizer:
-        # ZeRO copies its master pieces from the weights.
+        # it takes its FP32 master (ZeRO: its pieces) from the weights, which are FP32 until then.
         self.notes: list[str] = [] if init is None else [run_state.apply_init_from(self)]
-        # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way
+        # zero=0: torch AdamW + all-reduce; zero=1/2: sharded (parallel/zero); same calls either way. With
+        # precision bf16/fp8 it keeps the FP32 values as its master and casts the weights to BF16.
         self.opt = build_optimizer(self.model, cfg.optim, self.dims, cfg.parallel.zero, cfg.parallel.zero_backend,
-                                   cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None)
+                                   cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None,
+                                   weights=weights_for(t.precision))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
-        self.ema = ParamEMA(self.model, t.ema_decay) if t.ema_decay else None   # from the weights as they are now
+        master = self.opt.master_weights()   # the FP32 truth of BF16 weights (None: the FP32 weights are)
+        self.ema = ParamEMA(self.model if master is None else master, t.ema_decay) if t.ema_decay else None
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
         # data.val_blend: val_sources holds the validation batches per source
         self.batches, self.val, self.val_sources = open_data(cfg, self.dims, self.corpus)
@@ -244,7 +247,7 @@ class Trainer:
                 self.pipe.set_microbatches(n_micro)
                 with self.autocast:
                     sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
-                self.pipe.sum_replica_grads(self.model)
+                self.pipe.replicas.sum_(self.opt.named_grads())   # twin stages, tied embedding (FP32)
             else:
                 sums = torch.zeros(3, device=self.device)   # on the device: no host sync per micro-batch
                 for ids, lab in micro:

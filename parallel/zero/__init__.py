@@ -13,6 +13,12 @@
                         ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}}`` keyed by the
                         single-device model's parameter names, tensors as DTensors of the global shape,
                         so DCP checkpoints reshard between layouts (and between ZeRO and no ZeRO)
+    named_grads()       name -> this step's gradient so far (FP32; zeros where none), for the pipeline's
+                        replica sums to add into
+    master_weights()    name -> the FP32 master (DTensor pieces where sharded), what checkpoints store as the
+                        weights; None when the weights are FP32 and their own master (``master.py``)
+    load_master_weights(sd)
+                        the master from a loaded ``master_weights()``, then the BF16 weights from it
     memory()            bytes per rank (parameters, gradients, master weights, optimizer state) and the
                         analytical formula for the layout
     optimizer           the ``torch.optim.Optimizer`` whose ``param_groups[i]["lr"]`` the LR scheduler sets
@@ -27,11 +33,11 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
 
 from ..data_parallel import all_finite, clip_grad_norm, sync_gradients
 from ..dims import ParallelDims
 from ..state_dict import to_global, to_local
+from .master import WEIGHT_DTYPES, FP32Grads, cast_, weights_for
 from .memory import MemoryReport, account
 
 
@@ -41,52 +47,110 @@ class NonFiniteGradients(FloatingPointError):
 
 
 class Replicated:
-    """No sharding: every data-parallel rank keeps the full AdamW state (torch.optim.AdamW, fp32 moments)."""
+    """No sharding: every data-parallel rank keeps the full AdamW state (torch.optim.AdamW, fp32 moments).
+    With ``weights="bf16"`` AdamW updates a full FP32 master copy (the FP32 values the model arrives with;
+    ``master.py``) whose gradients are accumulated in FP32, and casts it into the BF16 parameters."""
 
-    def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, grad_weight: Callable[[str], float] | None):
+    def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, grad_weight: Callable[[str], float] | None,
+                 weights: str = "fp32"):
         self.model, self.dims, self.grad_weight = model, dims, grad_weight
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.fp32_grads = None
+        self.named = self.params   # what AdamW updates: the parameters, or their FP32 master
+        if weights != "fp32":
+            self.named = [(n, nn.Parameter(p.detach())) for n, p in self.params]   # keeps the FP32 storage
+            cast_([p for _, p in self.params], WEIGHT_DTYPES[weights])
+            self.fp32_grads = FP32Grads([p for _, p in self.params])
+        decay = [t for _, t in self.named if t.dim() >= 2]
+        no_decay = [t for _, t in self.named if t.dim() < 2]
         groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
                                            eps=optim_cfg.eps)
+        for _, t in self.named:   # AdamW's state now (it would at the first step): checkpoints before it, memory()
+            self.optimizer.state[t].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(t),
+                                           exp_avg_sq=torch.zeros_like(t))
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Name -> this step's gradient so far, zeros where none (pipeline replica sums add into these)."""
+        if self.fp32_grads is not None:
+            return {n: self.fp32_grads.get(p, fill=True) for n, p in self.params}
+        for _, p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return {n: p.grad for n, p in self.params}
+
     @torch.no_grad()
     def grads_finite(self) -> torch.Tensor:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = list(self.fp32_grads.grads.values()) if self.fp32_grads is not None else \
+            [p.grad for _, p in self.params if p.grad is not None]
         return all_finite(grads, next(self.model.parameters()).device)
 
     def step(self, max_norm: float) -> float:
+        if self.fp32_grads is not None:   # the FP32 sums become the master's gradients
+            for (_, p), (_, m) in zip(self.params, self.named):
+                m.grad = self.fp32_grads.pop(p)
         if self.dims.world_size > 1:
-            sync_gradients(self.model, self.dims)
-            norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight)
+            sync_gradients(self.model, self.dims, self.named)
+            norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight, self.named)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else float("inf"))
+            norm = torch.nn.utils.clip_grad_norm_([t for _, t in self.named], max_norm if max_norm > 0 else float("inf"))
         self.optimizer.step()
+        if self.fp32_grads is not None:
+            self._cast_master()
         return norm
+
+    @torch.no_grad()
+    def _cast_master(self) -> None:
+        for (_, p), (_, m) in zip(self.params, self.named):
+            p.copy_(m)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.fp32_grads is not None:
+            self.fp32_grads.clear()
+            for _, p in self.params:
+                p.grad = None
 
     def state_dict(self) -> dict:
-        _, optim_sd = get_state_dict(self.model, self.optimizer)   # initialises empty AdamW state
-        _, optim_sd = to_global({}, optim_sd, self.model, self.dims)
+        state = {n: {k: self.optimizer.state[t][k] for k in ("step", "exp_avg", "exp_avg_sq")} for n, t in self.named}
+        _, optim_sd = to_global({}, {"state": state}, self.model, self.dims)
         return {"state": optim_sd["state"]}
 
+    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        _, full = get_state_dict(self.model, self.optimizer)
-        full["state"] = to_local(sd["state"])
-        set_optimizer_state_dict(self.model, self.optimizer, full)
+        state = to_local(sd["state"])
+        for n, t in self.named:
+            if n not in state:
+                raise KeyError(f"optimizer state for {n} missing from the checkpoint")
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                self.optimizer.state[t][k].copy_(torch.as_tensor(state[n][k]).reshape(self.optimizer.state[t][k].shape))
+
+    def master_weights(self) -> dict[str, torch.Tensor] | None:
+        """The FP32 master under the single-device names (experts as DTensors of the global shape), what a
+        checkpoint stores as the weights; None when the weights are FP32 and their own master."""
+        if self.fp32_grads is None:
+            return None
+        return to_global({n: m.detach() for n, m in self.named}, {}, self.model, self.dims)[0]
+
+    @torch.no_grad()
+    def load_master_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """The master from ``sd`` (``master_weights``' form, loaded), then the BF16 weights from it."""
+        sd = to_local(sd)
+        for n, m in self.named:
+            m.copy_(sd[n])
+        self._cast_master()
 
     def memory(self) -> MemoryReport:
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for _, p in self.params]
         n = sum(p.numel() for p in params)
-        measured = {"params": sum(p.numel() * p.element_size() for p in params), "grads": 4 * n, "master": 0,
+        measured = {"params": sum(p.numel() * p.element_size() for p in params), "grads": 4 * n,
+                    "master": 4 * n if self.fp32_grads is not None else 0,
                     "optim": 2 * 4 * n}   # fp32 grads and AdamW moments of every local parameter
-        return account(self.model, self.dims, zero=0, moment_bytes=4, measured=measured)
+        return account(self.model, self.dims, zero=0, moment_bytes=4, measured=measured,
+                       weight_bytes=params[0].element_size() if params else 4)
 
 
 MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # optim.moment_dtype's values, ``auto`` resolved
@@ -101,20 +165,24 @@ def moment_dtype(setting: str, zero: int, backend: str = "native") -> str:
 
 
 def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, backend: str = "native",
-                    bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None):
+                    bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None, weights: str = "fp32"):
     """``optim``: the AdamW settings (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``, ``grad_clip``,
     ``moment_dtype``: the config's ``optim`` section); ``zero``, ``backend``, ``bucket_mb``: ``parallel.zero``,
     ``parallel.zero_backend``, ``parallel.zero_bucket_mb``. ``grad_weight(name)`` (1 / holders) counts a tensor
-    held by several pipeline ranks (DualPipe replicas, tied embeddings) once in the global gradient norm."""
+    held by several pipeline ranks (DualPipe replicas, tied embeddings) once in the global gradient norm.
+    ``weights`` (``master.weights_for(train.precision)``): ``bf16`` takes the model's FP32 values as the FP32
+    master and casts the parameters to BF16 (``master.py``); ``fp32`` leaves them FP32, their own master."""
+    if weights not in WEIGHT_DTYPES:
+        raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
     if zero == 0:
-        return Replicated(model, optim, dims, grad_weight)
+        return Replicated(model, optim, dims, grad_weight, weights)
     if backend == "deepspeed":
         from .deepspeed_backend import DeepSpeedZero
-        return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb)
+        return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb, weights=weights)
     from .native import ZeroOptimizer
     return ZeroOptimizer(model, optim, dims, stage=zero, moment_dtype=moment_dtype(optim.moment_dtype, zero, backend),
-                         bucket_mb=bucket_mb, grad_weight=grad_weight)
+                         bucket_mb=bucket_mb, grad_weight=grad_weight, weights=weights)
 
 
-__all__ = ["build_optimizer", "moment_dtype", "MOMENT_DTYPES", "NonFiniteGradients", "Replicated", "MemoryReport",
-           "account"]
+__all__ = ["build_optimizer", "moment_dtype", "weights_for", "MOMENT_DTYPES", "WEIGHT_DTYPES", "NonFiniteGradients",
+           "Replicated", "MemoryReport", "account"]

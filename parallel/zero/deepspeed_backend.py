@@ -26,7 +26,8 @@ What it does
   format of the other backends, so DCP checkpoints move between ``deepspeed``, ``native`` and
   ``zero=0``. DeepSpeed's own checkpoint files are not used.
 
-Not supported: BF16 moments (DeepSpeed ZeRO-1/2 keeps the wrapped optimizer's moments in fp32; config
+Not supported: BF16 weights (``train.precision=bf16|fp8``: a ConfigError naming the key; the native
+backend keeps BF16 weights with an FP32 master), BF16 moments (DeepSpeed ZeRO-1/2 keeps the wrapped optimizer's moments in fp32; config
 validation rejects ``optim.moment_dtype=bf16``), pipeline parallelism (``parallel.pp > 1``, rejected by
 config validation), one process (DeepSpeed needs ``torch.distributed``: launch with torchrun and
 dp >= 2), DeepSpeed's fp16 loss scaling, CPU/NVMe offload and ZeRO-3.
@@ -70,7 +71,12 @@ def _import_deepspeed():
 
 
 class DeepSpeedZero:
-    def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, stage: int = 1, bucket_mb: float = 32.0):
+    def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, stage: int = 1, bucket_mb: float = 32.0,
+                 weights: str = "fp32"):
+        if weights != "fp32":
+            raise ConfigError(f"train.precision: {weights} weights (train.precision=bf16|fp8) are not supported with "
+                              "parallel.zero_backend=deepspeed; use parallel.zero_backend=native (BF16 weights, FP32 "
+                              "master) or train.precision=fp32")
         validate_layout(dims.world_size, dims.pp, dims.ep, dims.ranks_per_node, zero=stage, zero_backend="deepspeed")
         if not dist.is_initialized():
             raise ConfigError("parallel.zero_backend=deepspeed needs torch.distributed (launch with torchrun "
@@ -234,6 +240,11 @@ class DeepSpeedZero:
             z.single_partition_of_fp32_groups[i].data.copy_(z.parallel_partitioned_bit16_groups[i][me].data)
 
     # ---- accounting --------------------------------------------------------------------------------
+    def master_weights(self) -> None:
+        """None: the weights are FP32 and their own master (BF16 weights are refused above). No
+        ``named_grads``: this backend runs without a pipeline (config validation)."""
+        return None
+
     def memory(self) -> MemoryReport:
         z = self.zopt
         flat_params = sum(f.numel() * f.element_size() for f in z.bit16_groups_flat)

@@ -10,12 +10,13 @@ EP), data-parallel size ``dp`` and expert-data-parallel size ``edp = dp / ep``, 
     master       M                 4 S               4 S                fp32 master copy
     optimizer    2 m (P_d + P_e)   2 m S             2 m S              AdamW exp_avg + exp_avg_sq, m bytes each
 
-``m`` is 2 for BF16 moments and 4 for FP32. ``w`` is 4 in this trainer (fp32 weights, also the master
-copy without ZeRO: ``M = 0``) and 2 for DeepSeek-V3's BF16 compute weights (``tools.size --recipe v3``:
-``M = 4 (P_d + P_e)``). Measured numbers count the tensors the optimizer really allocated (shards are
-padded to equal size, so they can exceed the formula by a few elements per parameter); zero=2 frees
-each bucket's full gradients after its reduce-scatter, so ``gradients`` is what
-persists across micro-batches (a bucket in flight comes on top).
+``m`` is 2 for BF16 moments and 4 for FP32. ``w`` is 4 with ``train.precision=fp32`` (FP32 weights, also
+the master copy without ZeRO: ``M = 0``) and 2 with bf16 / fp8, DeepSeek-V3's BF16 compute weights (``M = 4
+(P_d + P_e)``: a full FP32 master on every rank without ZeRO; ``master.py``). Gradients are FP32 either way
+(FP32 accumulators beside BF16 weights; a BF16 gradient of one backward comes on top while it is added in).
+Measured numbers count the tensors the optimizer really allocated (shards are padded to equal size, so they
+can exceed the formula by a few elements per parameter); zero=2 frees each bucket's full gradients after
+its reduce-scatter, so ``gradients`` is what persists across micro-batches (a bucket in flight comes on top).
 """
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ def formula(dense: float, expert: float, dp: int, edp: int, zero: int, moment_by
             "optim": round(2 * moment_bytes * (shard if zero >= 1 else full))}
 
 
-def account(model: nn.Module, dims: ParallelDims, zero: int, moment_bytes: int, measured: dict[str, int]) -> MemoryReport:
+def account(model: nn.Module, dims: ParallelDims, zero: int, moment_bytes: int, measured: dict[str, int],
+            weight_bytes: int = 4) -> MemoryReport:
     expert = is_expert_param(model)
     n_dense = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and not expert[n])
     n_expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and expert[n])
-    return MemoryReport(measured, formula(n_dense, n_expert, dims.dp, dims.edp, zero, moment_bytes),
+    return MemoryReport(measured, formula(n_dense, n_expert, dims.dp, dims.edp, zero, moment_bytes, weight_bytes),
                         n_dense, n_expert)

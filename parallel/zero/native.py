@@ -4,20 +4,15 @@ Which ranks share what (``ParallelDims``): dense parameters are replicated over 
 pipeline stage and sharded over them; routed-expert parameters are already split over ``ep`` and
 replicated over ``edp = dp / ep``, so they are sharded over the expert-dp group.
 
-Shard layout (chosen so checkpoints are plain DTensors that DCP reshards): every parameter is cut into
-``torch.chunk``-style pieces along one dimension —
+Layout (``buckets.py``): every parameter is cut into ``torch.chunk``-style pieces along one dimension
+(checkpoints are plain DTensors that DCP reshards), and the pieces are grouped into buckets, each one
+``[k, S]`` buffer for a reduce group of ``k`` ranks, so a single ``reduce_scatter`` leaves every rank the
+summed gradient of exactly its pieces, and one ``all_gather`` of the updated FP32 master pieces rebuilds
+every parameter.
 
-* dense: dim 0, over the (edp, ep) mesh of the stage, i.e. placements ``[Shard(0), Shard(0)]``
-  (rank ``dp_rank = edp_index * ep + ep_index`` holds the ``dp_rank``-th nested chunk);
-* experts (local shape ``[E/ep, a, b]``): dim 1 over edp, on top of EP's dim-0 split, i.e.
-  ``[Shard(1), Shard(0)]`` on (edp, ep) — the expert dimension is often smaller than edp, the
-  feature dimensions are not.
-
-Parameters are grouped into buckets (same reduce group, weight decay and dtype; about
-``bucket_mb`` of gradients each). A bucket is one ``[k, S]`` buffer for a group of ``k`` ranks: row
-``i`` holds rank ``i``'s pieces of all the bucket's parameters (each padded to the largest piece), so a
-single ``reduce_scatter`` leaves every rank the summed gradient of exactly its pieces, and one
-``all_gather`` of the updated FP32 master pieces rebuilds every parameter.
+BF16 weights (``weights="bf16"``, ``master.py``): the master pieces come from the FP32 values the model
+arrives with, then the parameters are cast; gradients are accumulated in FP32 per parameter (``FP32Grads``)
+and all-gathers carry BF16.
 
 Step: gradients (fp32, accumulated over the step's micro-batches) -> reduce-scatter (sum; / dp) ->
 global norm over shards, data-parallel and pipeline ranks (tensors held by several pipeline ranks
@@ -27,13 +22,12 @@ FP32, the same operation order as ``torch.optim.AdamW``) -> all-gather into the 
 Stage 2 (``backward()`` path, no pipeline): a bucket is reduce-scattered as soon as the last of its
 gradients has been accumulated in a micro-batch's backward (buckets are issued in one fixed order on
 every rank), added into a persistent FP32 shard accumulator, and its full gradients are freed; only
-the shards persist across micro-batches. With a pipeline the executor drives the backward and the
+the shards persist across micro-batches (BF16 weights: each micro-batch's BF16 gradient is reduced in FP32
+and summed into the FP32 shard). With a pipeline the executor drives the backward and the
 DualPipe replica sums need the full gradients, so both stages reduce once, at ``step``.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -43,53 +37,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..data_parallel import all_finite
 from ..dims import ParallelDims
-from ..ep import is_expert_param
 from . import MOMENT_DTYPES
+from .buckets import Bucket, Slot, build_buckets, chunk_range  # noqa: F401 - chunk_range: this module's API too
+from .master import WEIGHT_DTYPES, FP32Grads, cast_
 from .memory import MemoryReport, account
-
-
-def chunk_range(n: int, k: int, i: int) -> tuple[int, int]:
-    """(start, length) of piece ``i`` of ``n`` elements cut into ``k`` (``torch.chunk`` / DTensor ``Shard``)."""
-    size = -(-n // k) if n else 0
-    start = min(i * size, n)
-    return start, max(0, min(n, start + size) - start)
-
-
-@dataclass
-class _Slot:
-    """One parameter inside a bucket: its pieces (one per rank of the reduce group) and place in a row."""
-    name: str
-    param: nn.Parameter
-    dim: int                                   # the dimension cut into pieces
-    index: list[tuple]                         # per group rank: the piece's index into the local parameter
-    shapes: list[tuple[int, ...]]              # per group rank: the piece's shape
-    numels: list[int]
-    offset: int = 0                            # start of this parameter's slot in each row
-    weight: float = 1.0                        # 1 / pipeline holders (global norm)
-
-    @property
-    def slot(self) -> int:
-        return max(self.numels)
-
-
-@dataclass
-class _Bucket:
-    kind: str                                  # "dense" | "expert"
-    weight_decay: float
-    group: object
-    k: int                                     # ranks in the reduce group
-    me: int                                    # this rank's index in it
-    slots: list[_Slot] = field(default_factory=list)
-    size: int = 0                              # S: row length
-    master: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
-    grad: torch.Tensor | None = None           # reduced gradient shard (fp32), accumulated
-    ready: int = 0                             # stage-2 hooks: parameters accumulated this backward
-
-    def mine(self, t: torch.Tensor, s: _Slot) -> torch.Tensor:
-        """This rank's piece of slot ``s`` inside a row-sized flat tensor, shaped like the piece."""
-        return t[s.offset:s.offset + s.numels[self.me]].view(s.shapes[self.me])
 
 
 class _LRGroups(torch.optim.Optimizer):
@@ -103,7 +54,7 @@ class _LRGroups(torch.optim.Optimizer):
 
 class ZeroOptimizer:
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, stage: int = 1, moment_dtype: str = "bf16",
-                 bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None):
+                 bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None, weights: str = "fp32"):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
         self.model, self.dims, self.stage = model, dims, stage
@@ -115,74 +66,29 @@ class ZeroOptimizer:
         self._step_reduced = False           # this step's gradients are reduced into the buckets
         self._pending: list = []
         self._next = 0                       # stage 2: index of the next bucket to issue
-        self.buckets = self._build_buckets(optim_cfg.weight_decay, bucket_mb, grad_weight)
+        self.buckets = build_buckets(model, dims, optim_cfg.weight_decay, bucket_mb, grad_weight)
         for b in self.buckets:
             self._allocate(b)
         self.optimizer = _LRGroups([{"params": [b.master], "weight_decay": b.weight_decay} for b in self.buckets],
                                    {"lr": self.lr})
+        params = [s.param for b in self.buckets for s in b.slots]
+        self.fp32_grads = None   # BF16 weights: FP32 accumulators (the master pieces hold the FP32 values now)
+        if weights != "fp32":
+            cast_(params, WEIGHT_DTYPES[weights])
+            self.fp32_grads = FP32Grads(params)
         if stage == 2:
             for b in self.buckets:
                 for s in b.slots:
                     s.param.register_post_accumulate_grad_hook(lambda p, b=b: self._on_grad(b))
 
-    # ---- layout --------------------------------------------------------------------------------------
-    def _build_buckets(self, weight_decay: float, bucket_mb: float, grad_weight) -> list[_Bucket]:
-        d = self.dims
-        expert = is_expert_param(self.model)
-        groups = {"dense": (d.group("dp") if d.dp > 1 else None, d.dp, d.dp_rank),
-                  "expert": (d.group("edp") if d.edp > 1 else None, d.edp, d.dp_rank // d.ep)}
-        limit = bucket_mb * 2**20
-        open_: dict[tuple, _Bucket] = {}
-        buckets: list[_Bucket] = []
-        # Reverse registration order: roughly the order gradients become final in a backward.
-        for name, p in reversed(list(self.model.named_parameters())):
-            if not p.requires_grad:
-                continue
-            if p.dim() == 0:
-                raise ValueError(f"ZeRO: parameter {name} is a scalar; shard-able parameters need >= 1 dim")
-            kind = "expert" if expert[name] else "dense"
-            wd = weight_decay if p.dim() >= 2 else 0.0
-            group, k, me = groups[kind]
-            dim = 1 if kind == "expert" and p.dim() >= 2 else 0
-            slot = self._slot(name, p, dim, kind, k)
-            slot.weight = grad_weight(name) if grad_weight else 1.0
-            key = (kind, wd, p.dtype)
-            b = open_.get(key)
-            if b is None or (b.size and (b.size + slot.slot) * k * 4 > limit):
-                b = open_[key] = _Bucket(kind, wd, group, k, me)
-                buckets.append(b)
-            slot.offset = b.size
-            b.size += slot.slot
-            b.slots.append(slot)
-        return buckets
-
-    def _slot(self, name: str, p: torch.Tensor, dim: int, kind: str, k: int) -> _Slot:
-        d = self.dims
-        index, shapes, numels = [], [], []
-        n = p.shape[dim]
-        for i in range(k):
-            if kind == "dense":   # nested chunks: over edp first, then over ep (DTensor [Shard(0), Shard(0)])
-                e, r = divmod(i, d.ep)
-                s0, l0 = chunk_range(n, d.edp, e)
-                s1, l1 = chunk_range(l0, d.ep, r)
-                start, length = s0 + s1, l1
-            else:
-                start, length = chunk_range(n, k, i)
-            idx = tuple([slice(None)] * dim + [slice(start, start + length)])
-            shape = tuple(p.shape[:dim]) + (length,) + tuple(p.shape[dim + 1:])
-            index.append(idx)
-            shapes.append(shape)
-            numels.append(math.prod(shape))
-        return _Slot(name, p, dim, index, shapes, numels)
-
-    def _allocate(self, b: _Bucket) -> None:
+    def _allocate(self, b: Bucket) -> None:
         b.master = torch.zeros(b.size, dtype=torch.float32, device=b.slots[0].param.device)
         b.exp_avg = torch.zeros(b.size, dtype=self.moment_dtype, device=b.master.device)
         b.exp_avg_sq = torch.zeros_like(b.exp_avg)
         self._refresh_master(b)
 
     @torch.no_grad()
-    def _refresh_master(self, b: _Bucket) -> None:
+    def _refresh_master(self, b: Bucket) -> None:
         for s in b.slots:
             b.mine(b.master, s).copy_(s.param[s.index[b.me]])
 
@@ -193,18 +99,44 @@ class ZeroOptimizer:
             loss.backward()
             return
         self._armed, self._next, self._reduced = True, 0, True
+        self._pause_fp32_grads(True)   # each bucket's micro-batch gradient goes straight into its FP32 reduce
         for b in self.buckets:
             b.ready = 0
         try:
             loss.backward()
         finally:
             self._armed = False
+            self._pause_fp32_grads(False)
         while self._next < len(self.buckets):   # parameters without a gradient this time count as zeros
             self._issue(self.buckets[self._next])
             self._next += 1
         self._drain()
 
-    def _on_grad(self, b: _Bucket) -> None:
+    def _pause_fp32_grads(self, paused: bool) -> None:
+        if self.fp32_grads is not None:
+            self.fp32_grads.paused = paused
+
+    def _take_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """``p``'s gradient so far, handed over: ``p.grad`` (FP32 weights; ZeRO-2's backward path) or, with BF16
+        weights, its FP32 accumulator (removed from ``fp32_grads``)."""
+        if p.grad is not None or self.fp32_grads is None:
+            return p.grad
+        return self.fp32_grads.pop(p)
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Name -> this step's gradient so far, zeros where none (pipeline replica sums add into these)."""
+        out = {}
+        for b in self.buckets:
+            for s in b.slots:
+                if self.fp32_grads is not None:
+                    out[s.name] = self.fp32_grads.get(s.param, fill=True)
+                else:
+                    if s.param.grad is None:
+                        s.param.grad = torch.zeros_like(s.param)
+                    out[s.name] = s.param.grad
+        return out
+
+    def _on_grad(self, b: Bucket) -> None:
         if not self._armed:
             return
         b.ready += 1
@@ -213,12 +145,12 @@ class ZeroOptimizer:
             self._next += 1
 
     @torch.no_grad()
-    def _issue(self, b: _Bucket) -> None:
+    def _issue(self, b: Bucket) -> None:
         """Pack the bucket's gradients into ``[k, S]``, free them, start the reduce-scatter."""
         self._drain(keep=1)   # at most two buckets in flight
         send = torch.zeros(b.k, b.size, dtype=torch.float32, device=b.master.device)
         for s in b.slots:
-            g = s.param.grad
+            g = self._take_grad(s.param)
             if g is None:
                 continue
             for i in range(b.k):
@@ -324,13 +256,15 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self._reduced = self._step_reduced = False
+        if self.fp32_grads is not None:
+            self.fp32_grads.clear()
         for b in self.buckets:
             b.grad = None
             for s in b.slots:
                 s.param.grad = None
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def _dtensor(self, b: _Bucket, flat: torch.Tensor, s: _Slot) -> DTensor | torch.Tensor:
+    def _dtensor(self, b: Bucket, flat: torch.Tensor, s: Slot) -> DTensor | torch.Tensor:
         d = self.dims
         local = b.mine(flat, s)
         if not dist.is_initialized():   # one process: the pieces are the whole tensors
@@ -357,8 +291,8 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        """After the model's parameters have been loaded: moments from ``sd``, master pieces from the
-        parameters (the FP32 weights are the checkpointed master)."""
+        """After the model's parameters have been loaded: moments from ``sd``; with FP32 weights the master
+        pieces from the parameters (they are the checkpointed master; BF16 weights: ``load_master_weights``)."""
         state = sd["state"]
         steps = set()
         for b in self.buckets:
@@ -370,10 +304,28 @@ class ZeroOptimizer:
                     t = t.to_local() if isinstance(t, DTensor) else t
                     b.mine(flat, s).copy_(t.reshape(s.shapes[b.me]))
                 steps.add(int(float(state[s.name]["step"])))
-            self._refresh_master(b)
+            if self.fp32_grads is None:
+                self._refresh_master(b)
         if len(steps) > 1:
             raise ValueError(f"optimizer state holds different step counts {sorted(steps)}")
         self.n_steps = steps.pop() if steps else 0
+
+    def master_weights(self) -> dict[str, torch.Tensor] | None:
+        """BF16 weights: this rank's FP32 master pieces under the single-device names (DTensors of the global
+        shape, like the moments), what a checkpoint stores as the weights; None with FP32 weights."""
+        if self.fp32_grads is None:
+            return None
+        return {s.name: self._dtensor(b, b.master, s) for b in self.buckets for s in b.slots}
+
+    @torch.no_grad()
+    def load_master_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """The master pieces from ``sd`` (``master_weights``' form, loaded), then all-gathered into the BF16
+        weights (a collective)."""
+        for b in self.buckets:
+            for s in b.slots:
+                t = sd[s.name]
+                b.mine(b.master, s).copy_((t.to_local() if isinstance(t, DTensor) else t).reshape(s.shapes[b.me]))
+        self._all_gather()
 
     # ---- accounting --------------------------------------------------------------------------------
     def memory(self) -> MemoryReport:
@@ -386,4 +338,4 @@ class ZeroOptimizer:
                     "optim": sum((b.exp_avg.numel() + b.exp_avg_sq.numel()) * b.exp_avg.element_size()
                                  for b in self.buckets)}
         return account(self.model, self.dims, zero=self.stage, moment_bytes=self.buckets[0].exp_avg.element_size()
-                       if self.buckets else 4, measured=measured)
+                       if self.buckets else 4, measured=measured, weight_bytes=params[0].element_size() if params else 4)
