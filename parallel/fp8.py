@@ -15,12 +15,17 @@ The forward caches its input only in FP8 (the 128×1, transposed copy Wgrad need
 master weights and gradients stay FP32. Outputs follow autocast (BF16 under ``torch.autocast``) or the
 input dtype; ``dx`` has the input's dtype, ``dW`` the weight's.
 
+Zero-bubble split (``parallel/wgrad.py``): with a ``wgrad_queue`` set, the backward quantises ``dyᵀ`` and
+hands the Wgrad GEMM to the queue (``queue.submit``), which runs it now or, inside ``queue.collect``, at W —
+the same FP8 operands either way, so the gradients are bit-identical.
+
 Backends (``kernels.get_ops``): ``triton`` (GPU, or CPU under the interpreter — tests only), ``emulation``
 (plain torch, bit-identical quantisation, FP32 matmul of the dequantised values — CPU training), ``auto``
 (triton on CUDA tensors, emulation otherwise; resolved per call from the input's device).
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -54,11 +59,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _wgrad(queue, param: torch.Tensor, gemm, *args) -> torch.Tensor | None:
+    """The Wgrad GEMM ``gemm(*args)`` (FP32 out, in the weight's dtype) now, or — a ``WeightGradQueue``
+    collecting a B — None after queueing it."""
+    compute = functools.partial(_wgrad_gemm, gemm, param.dtype, *args)
+    return compute() if queue is None else queue.submit(param, compute)
+
+
+def _wgrad_gemm(gemm, dtype: torch.dtype, *args) -> torch.Tensor:
+    with torch.autocast(args[0].device.type, enabled=False):
+        return gemm(*args, torch.float32).to(dtype)
+
+
 class _FP8LinearFn(torch.autograd.Function):
     """``y = x·Wᵀ`` with Fprop, Dgrad and Wgrad in FP8; caches x only as FP8 (128×1, transposed)."""
 
     @staticmethod
-    def forward(ctx, x, weight, ops, pow2, out_dtype, grad_on):
+    def forward(ctx, x, weight, ops, pow2, out_dtype, grad_on, queue=None):
         with torch.autocast(x.device.type, enabled=False):
             x2 = _rows(x)
             xq, xs = ops.quant_act(x2, pow2)
@@ -66,7 +83,8 @@ class _FP8LinearFn(torch.autograd.Function):
             y = ops.gemm(xq, xs, wq, ws, _gemm_dtype(out_dtype)).to(out_dtype)
             xt = ops.quant_act_t(x2, None, pow2) if grad_on and ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*xt, wq_t, ws)
-        ctx.ops, ctx.pow2, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = ops, pow2, x.shape, x.dtype, weight.dtype
+        ctx.ops, ctx.pow2, ctx.x_shape, ctx.x_dtype, ctx.queue = ops, pow2, x.shape, x.dtype, queue
+        ctx.param = weight
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -81,15 +99,15 @@ class _FP8LinearFn(torch.autograd.Function):
                 dx = ops.gemm(dyq, dys, wq_t, ws.mT, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 dyt_q, dyt_s = ops.quant_act_t(dy2, None, pow2)
-                dw = ops.gemm(dyt_q, dyt_s, xt_q, xt_s, torch.float32).to(ctx.w_dtype)
-        return dx, dw, None, None, None, None
+                dw = _wgrad(ctx.queue, ctx.param, ops.gemm, dyt_q, dyt_s, xt_q, xt_s)
+        return dx, dw, None, None, None, None, None
 
 
 class _FP8GroupedLinearFn(torch.autograd.Function):
     """Per-expert ``y_e = x_e·W_eᵀ`` over rows sorted by expert; the three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on):
+    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None):
         with torch.autocast(x.device.type, enabled=False):
             x2 = _rows(x)
             xq, xs = ops.quant_act(x2, pow2)
@@ -98,7 +116,7 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
             need_xt = grad_on and ctx.needs_input_grad[1]
             xt = ops.quant_act_t(x2, tokens_per_expert, pow2) if need_xt else (None, None)
         ctx.save_for_backward(*xt, wq_t, ws, tokens_per_expert)
-        ctx.ops, ctx.pow2, ctx.x_dtype, ctx.w_dtype = ops, pow2, x.dtype, weight.dtype
+        ctx.ops, ctx.pow2, ctx.x_dtype, ctx.queue, ctx.param = ops, pow2, x.dtype, queue, weight
         return y
 
     @staticmethod
@@ -113,26 +131,29 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
                 dx = ops.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 dyt_q, dyt_s = ops.quant_act_t(dy2, tpe, pow2)
-                dw = ops.grouped_wgrad(dyt_q, dyt_s, xt_q, xt_s, tpe, torch.float32).to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+                dw = _wgrad(ctx.queue, ctx.param, ops.grouped_wgrad, dyt_q, dyt_s, xt_q, xt_s, tpe)
+        return dx, dw, None, None, None, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow2_scales: bool = False):
-    """``x [..., K] · weight [N, K]ᵀ`` in FP8 (differentiable in both)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow2_scales: bool = False,
+               wgrad_queue=None):
+    """``x [..., K] · weight [N, K]ᵀ`` in FP8 (differentiable in both; Wgrad through ``wgrad_queue`` if given)."""
     ops = kernels.get_ops(backend, x.device)
-    return _FP8LinearFn.apply(x, weight, ops, pow2_scales, _out_dtype(x), torch.is_grad_enabled())
+    return _FP8LinearFn.apply(x, weight, ops, pow2_scales, _out_dtype(x), torch.is_grad_enabled(), wgrad_queue)
 
 
 def fp8_grouped_linear(x_RK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert: torch.Tensor,
-                       backend: str = "auto", pow2_scales: bool = False) -> torch.Tensor:
+                       backend: str = "auto", pow2_scales: bool = False, wgrad_queue=None) -> torch.Tensor:
     """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8."""
     ops = kernels.get_ops(backend, x_RK.device)
     return _FP8GroupedLinearFn.apply(x_RK, w_ENK, tokens_per_expert, ops, pow2_scales, _out_dtype(x_RK),
-                                     torch.is_grad_enabled())
+                                     torch.is_grad_enabled(), wgrad_queue)
 
 
 class FP8Linear(nn.Linear):
     """``nn.Linear`` (no bias) whose Fprop, Dgrad and Wgrad run in FP8; same parameter, same keys."""
+
+    wgrad_queue = None     # a parallel.wgrad.WeightGradQueue, set by apply_deferred_wgrad
 
     def __init__(self, in_features: int, out_features: int, backend: str = "auto", pow2_scales: bool = False,
                  device=None, dtype=None):
@@ -144,12 +165,12 @@ class FP8Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, backend: str = "auto", pow2_scales: bool = False) -> "FP8Linear":
         assert linear.bias is None, "FP8Linear: bias is not supported (the model's linears have none)"
         new = cls(linear.in_features, linear.out_features, backend, pow2_scales, device="meta")
-        new.weight = linear.weight
+        new.weight, new.wgrad_queue = linear.weight, getattr(linear, "wgrad_queue", None)
         new.train(linear.training)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.backend, self.pow2_scales)
+        return fp8_linear(x, self.weight, self.backend, self.pow2_scales, self.wgrad_queue)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 backend={self.backend}, pow2_scales={self.pow2_scales}"
@@ -157,6 +178,8 @@ class FP8Linear(nn.Linear):
 
 class FP8GroupedExperts(GroupedExperts):
     """Routed SwiGLU experts with all GEMMs in FP8; holds the original stacked parameters."""
+
+    wgrad_queue = None     # a parallel.wgrad.WeightGradQueue, set by apply_deferred_wgrad (or copied below)
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, backend: str = "auto", pow2_scales: bool = False):
@@ -173,7 +196,7 @@ class FP8GroupedExperts(GroupedExperts):
         return new
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        args = (tokens_per_expert, self.backend, self.pow2_scales)
+        args = (tokens_per_expert, self.backend, self.pow2_scales, self.wgrad_queue)
         h_RF = F.silu(fp8_grouped_linear(x_RD, self.w1, *args)) * fp8_grouped_linear(x_RD, self.w3, *args)
         return fp8_grouped_linear(h_RF, self.w2, *args)
 

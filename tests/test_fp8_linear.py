@@ -1,5 +1,6 @@
-"""FP8 linear / grouped experts (``parallel/fp8.py``): gradients vs FP32, backend parity, the converter,
-and (slow) 200 training steps of the tiny model in FP8 (emulation) vs BF16.
+"""FP8 linear / grouped experts (``parallel/fp8.py``): gradients vs FP32, backend parity, the Wgrad deferred
+to W (``parallel/wgrad.py``), the converter, and (slow) 200 training steps of the tiny model in FP8
+(emulation) vs BF16.
 
 Error bound used below. E4M3 keeps 3 mantissa bits, so round-to-nearest-even leaves at most 2^-4 relative
 error per element; for values spread over a binade the RMS is about 2^-3/sqrt(12)/1.5 = 0.024 (measured
@@ -106,6 +107,35 @@ def test_fp8_grouped_experts_match_fp32_and_triton_matches_emulation():
         assert rel(e, w) < 0.09, (name, rel(e, w))    # two chained FP8 GEMMs + SwiGLU: ~0.05
     for grads in (got_emu, got_tri):
         assert all((g[0] == 0).all() and (g[3] == 0).all() for g in grads[2:])   # experts without tokens
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["linear", "experts"])
+def test_deferred_wgrad_is_bit_exact_on_triton(kind):
+    """``parallel/wgrad.py``: B computes dx and queues the FP8 Wgrad GEMM, W runs it on the same FP8
+    operands, so every gradient equals the non-deferred triton backward's bit for bit."""
+    from parallel.wgrad import WeightGradQueue, apply_deferred_wgrad
+    if kind == "linear":
+        module = FP8Linear.from_linear(make_linear("emulation", 192, 320)[1], "triton")
+        args, dy = (torch.randn(3, 50, 320, device=DEV),), torch.randn(3, 50, 192, device=DEV)
+    else:
+        base, tpe, x, dy = make_experts([0, 40, 5, 0, 90, 1])
+        module, args = FP8GroupedExperts.from_experts(base, "triton"), (x, tpe)
+    queue, deferred = WeightGradQueue(), copy.deepcopy(module)
+    apply_deferred_wgrad(nn.ModuleList([deferred]), queue)
+    assert deferred.wgrad_queue is queue and type(deferred) is type(module)
+    results = []
+    for m in (module, deferred):
+        x = args[0].clone().requires_grad_()
+        y = m(x, *args[1:])
+        if m is module:
+            y.backward(dy)
+        else:
+            queue.backward("mb", [y], [dy], [x], m.parameters())
+            assert all(p.grad is None for p in m.parameters())
+            queue.run("mb")
+        results.append([y, x.grad] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(g, w) for g, w in zip(*results))
 
 
 # ------------------------------------------------------------------------------------------- converter

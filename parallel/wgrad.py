@@ -1,0 +1,318 @@
+"""Zero-bubble B/W without re-traversal: a backward computes input gradients at once and queues the
+weight-gradient GEMMs, which W runs later (DualPipe's / ZB's split of the backward).
+
+``apply_deferred_wgrad(model, queue)`` swaps, by type, every ``nn.Linear`` (MLA projections, dense MLPs,
+shared experts, MTP's ``eh_proj``, the output head) for ``DeferredLinear`` and the routed experts
+(``GroupedExperts``) for ``DeferredGroupedExperts``; FP8 modules (``apply_fp8`` ran first) keep their class
+and get the queue (their FP8 Wgrad is deferred, FP8 numerics unchanged). Same Parameter objects, same
+state-dict keys. Not GEMMs, so their gradients come at B: norms, the MoE gate, the embedding.
+
+One (micro-batch, stage) ``key`` at a time::
+
+    queue.backward(key, tensors, grads, leaves=[x], params=stage_params)   # B: dx, norms, gate, embedding
+    queue.run(key)                                                        # W: the deferred dW GEMMs
+
+B differentiates only the leaves and the non-deferred parameters (``inputs=``), so the deferred weights'
+gradient accumulators — and ZeRO-2's post-accumulate hooks — do not run at B (a full backward inside
+``collect`` would fire them with no gradient); nothing is retained, the graph is freed at B. W runs one
+autograd node per weight (``_WeightGrad``) whose backward returns the summed dW, so the engine
+accumulates ``.grad`` exactly as in a plain backward, one weight at a time, and every hook fires once
+per parameter per W. Outside ``collect`` (a plain or F&B backward) the modules compute dW at once, like
+``nn.Linear``. A deferred weight must be used only through its module (B does not differentiate it).
+
+Numerics: the same ops as autograd's (``dW = dyᵀ·x``, ``dx = dy·W``, ``_grouped_mm`` with autograd's
+operand layouts, ``silu_backward``), in the dtype the forward chose (BF16 under autocast; B and W run
+with autocast off, so it does not matter where W is called): the gradients are bit-identical to the
+plain backward's (tested: FP32, BF16 autocast, FP8), except on the per-expert loop reference (SiLU over
+the whole tensor instead of per expert: ~1e-9 relative).
+
+Shape legend: R routed token copies (sorted by expert), D hidden, F expert intermediate, E experts,
+M rows, K in features, N out features.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from typing import Callable, Hashable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from models.moe import GroupedExperts
+
+from .fp8 import FP8GroupedExperts, FP8Linear
+
+Compute = Callable[[], torch.Tensor]
+
+
+class WeightGradQueue:
+    """Deferred weight-gradient GEMMs, one segment per key (a B's closures until its W).
+
+    Owned by whoever runs the step (one per model replica); ``apply_deferred_wgrad`` registers the
+    parameters whose dW it may hold."""
+
+    def __init__(self):
+        self.deferred: dict[int, nn.Parameter] = {}          # the deferrable parameters, by id
+        self._segments: dict[Hashable, list[tuple[nn.Parameter, Compute]]] = {}
+        self._open: list | None = None
+
+    @property
+    def deferring(self) -> bool:
+        return self._open is not None
+
+    def pending(self) -> list:
+        """Keys whose W has not run (an executor checks this is empty at the end of a step)."""
+        return list(self._segments)
+
+    @contextlib.contextmanager
+    def collect(self, key: Hashable) -> Iterator[list]:
+        """Within the block, deferred modules queue their dW GEMMs under ``key`` instead of running them."""
+        if self._open is not None:
+            raise RuntimeError(f"WeightGradQueue.collect({key!r}): another B is still collecting")
+        if key in self._segments:
+            raise RuntimeError(f"WeightGradQueue.collect({key!r}): its previous W has not run")
+        self._open = segment = []
+        try:
+            yield segment
+            self._segments[key] = segment
+        finally:
+            self._open = None
+
+    def submit(self, param: nn.Parameter, compute: Compute) -> torch.Tensor | None:
+        """Called by a backward: ``compute()`` (dW) now, or None after queueing it while collecting."""
+        if self._open is None:
+            return compute()
+        self._open.append((param, compute))
+        return None
+
+    def b_inputs(self, leaves: list, params) -> list[torch.Tensor]:
+        """What B differentiates: ``leaves`` (None skipped) and the ``params`` that are not deferred."""
+        rest = [p for p in params if p.requires_grad and id(p) not in self.deferred]
+        return [t for t in leaves if t is not None] + rest
+
+    def backward(self, key: Hashable, tensors: list, grads: list, leaves: list, params) -> None:
+        """B of one (micro-batch, stage): gradients of ``leaves`` and of the non-deferred ``params``;
+        the deferred dW GEMMs wait under ``key``. Frees the graph (no ``retain_graph``)."""
+        inputs = self.b_inputs(leaves, params)
+        if not inputs:
+            raise ValueError(f"WeightGradQueue.backward({key!r}): no input leaf and no non-deferred parameter: "
+                             "nothing for B to differentiate (run the full backward instead)")
+        with self.collect(key):
+            torch.autograd.backward(tensors, grads, inputs=inputs)
+
+    def run(self, key: Hashable) -> None:
+        """W of ``key``: run its dW GEMMs, sum per parameter, accumulate into ``.grad`` through autograd
+        (post-accumulate hooks fire once per parameter)."""
+        if key not in self._segments:
+            raise KeyError(f"WeightGradQueue.run({key!r}): no B collected under this key")
+        per_param: dict[int, tuple[nn.Parameter, deque]] = {}
+        for param, compute in self._segments.pop(key):          # in B's order: summed in that order
+            per_param.setdefault(id(param), (param, deque()))[1].append(compute)
+        if per_param:
+            with torch.enable_grad():
+                roots = [_WeightGrad.apply(computes, param) for param, computes in per_param.values()]
+            per_param.clear()
+            torch.autograd.backward(roots)
+
+
+class _WeightGrad(torch.autograd.Function):
+    """A graph root over one weight whose backward runs that weight's queued dW GEMMs and sums them: the
+    engine hands the dW to the weight's accumulator as a plain backward does (``.grad`` takes the tensor
+    when empty, else adds it in place; hooks fire once), one weight at a time, so W holds one dW at most."""
+
+    @staticmethod
+    def forward(ctx, computes: deque, param: nn.Parameter):
+        ctx.computes = computes
+        return torch.zeros((), device=param.device)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _):
+        dw = None
+        while ctx.computes:                          # pop as we go: each closure's tensors free after use
+            compute = ctx.computes.popleft()
+            dw = compute() if dw is None else dw + compute()
+        return None, dw
+
+
+# ---------------------------------------------------------------------------------------------- linear
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _autocast_off(t: torch.Tensor):
+    """Autocast off on ``t``'s device (the dtypes are chosen explicitly); a no-op context when it is off."""
+    on = torch.is_autocast_enabled(t.device.type)
+    return torch.autocast(t.device.type, enabled=False) if on else contextlib.nullcontext()
+
+
+def _submit(queue: WeightGradQueue | None, param: nn.Parameter, compute: Compute) -> torch.Tensor | None:
+    return compute() if queue is None else queue.submit(param, compute)
+
+
+def _linear_wgrad(dy_MN: torch.Tensor, x_MK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with _autocast_off(dy_MN):
+        return dy_MN.t().mm(x_MK).to(dtype)    # autograd's mm_mat2_backward for ``x·Wᵀ``
+
+
+class _LinearFn(torch.autograd.Function):
+    """``y = x·Wᵀ`` (autocast like ``F.linear``); backward: dx now, dW through the queue."""
+
+    @staticmethod
+    def forward(ctx, x, weight, queue):
+        dtype = _compute_dtype(x)
+        with _autocast_off(x):
+            xc, wc = x.to(dtype), weight.to(dtype)
+            y = F.linear(xc, wc)
+        ctx.save_for_backward(xc, wc)
+        ctx.queue, ctx.param, ctx.x_dtype = queue, weight, x.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        xc, wc = ctx.saved_tensors
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        with _autocast_off(dy):      # the dtypes were chosen in forward
+            dx = dy_MN.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            compute = functools.partial(_linear_wgrad, dy_MN, xc.reshape(-1, xc.shape[-1]), ctx.param.dtype)
+            dw = _submit(ctx.queue, ctx.param, compute)
+        return dx, dw, None
+
+
+class DeferredLinear(nn.Linear):
+    """``nn.Linear`` (no bias) whose weight gradient a ``WeightGradQueue`` may defer; same parameter."""
+
+    wgrad_queue: WeightGradQueue | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, queue: WeightGradQueue) -> "DeferredLinear":
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        new.weight, new.wgrad_queue = linear.weight, queue
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, self.wgrad_queue)
+
+
+# --------------------------------------------------------------------------------------- routed experts
+class ExpertGemms:
+    """The expert GEMMs on rows sorted by expert: ``torch._grouped_mm`` (autograd's operand layouts) or
+    the per-expert loop, the reference (chosen like ``GroupedExperts.forward``)."""
+
+    def __init__(self, tokens_per_expert: torch.Tensor, grouped: bool):
+        self.grouped = grouped
+        if grouped:
+            self.offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        else:
+            self.counts = tokens_per_expert.tolist()
+
+    def fprop(self, a_MK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        """Rows of expert e times ``w[e]ᵀ`` -> ``[M, N]``."""
+        if self.grouped:
+            return torch._grouped_mm(a_MK, w_ENK.transpose(-2, -1), offs=self.offs)
+        return torch.cat([a.mm(w_ENK[e].t()) for e, a in enumerate(a_MK.split(self.counts))])
+
+    def dgrad(self, d_MN: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        """Rows of expert e times ``w[e]`` -> ``[M, K]``."""
+        if self.grouped:
+            return torch._grouped_mm(d_MN, w_ENK, offs=self.offs)
+        return torch.cat([d.mm(w_ENK[e]) for e, d in enumerate(d_MN.split(self.counts))])
+
+    def wgrad(self, d_MN: torch.Tensor, a_MK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``dW[e] = d_eᵀ·a_e`` over expert e's rows -> ``[E, N, K]`` (zeros for experts without rows)."""
+        with _autocast_off(d_MN):
+            if self.grouped:
+                return torch._grouped_mm(d_MN.t(), a_MK, offs=self.offs).to(dtype)
+            pairs = zip(d_MN.split(self.counts), a_MK.split(self.counts))
+            return torch.stack([d.t().mm(a) for d, a in pairs]).to(dtype)
+
+
+class _ExpertsFn(torch.autograd.Function):
+    """SwiGLU experts ``y = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ`` per expert; saves x, h1, h3 (recomputes the
+    activation in backward, as V3 does), returns dx at once and queues dW1, dW2, dW3."""
+
+    @staticmethod
+    def forward(ctx, x_RD, w1, w2, w3, tokens_per_expert, queue):
+        dtype = _compute_dtype(x_RD)
+        with _autocast_off(x_RD):
+            x, w1c, w2c, w3c = (t.to(dtype) for t in (x_RD, w1, w2, w3))
+            mm = ExpertGemms(tokens_per_expert, GroupedExperts._grouped_mm_ok(x, w1c))
+            h1_RF, h3_RF = mm.fprop(x, w1c), mm.fprop(x, w3c)
+            y = mm.fprop(F.silu(h1_RF) * h3_RF, w2c)
+        ctx.save_for_backward(x, h1_RF, h3_RF, w1c, w2c, w3c)
+        ctx.mm, ctx.queue, ctx.params, ctx.x_dtype = mm, queue, (w1, w2, w3), x_RD.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_RD):
+        x, h1_RF, h3_RF, w1c, w2c, w3c = ctx.saved_tensors
+        mm, (w1, w2, w3) = ctx.mm, ctx.params
+        with _autocast_off(dy_RD):      # the dtypes were chosen in forward
+            s1_RF = F.silu(h1_RF)
+            da_RF = mm.dgrad(dy_RD, w2c)
+            dh3_RF = da_RF * s1_RF
+            dh1_RF = torch.ops.aten.silu_backward(da_RF * h3_RF, h1_RF)
+            dx = (mm.dgrad(dh1_RF, w1c) + mm.dgrad(dh3_RF, w3c)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            a_RF = s1_RF * h3_RF
+        dws = []
+        for i, (param, d, a) in enumerate(((w1, dh1_RF, x), (w2, dy_RD, a_RF), (w3, dh3_RF, x))):
+            need = ctx.needs_input_grad[1 + i]
+            dws.append(_submit(ctx.queue, param, functools.partial(mm.wgrad, d, a, param.dtype)) if need else None)
+        return dx, *dws, None, None
+
+
+class DeferredGroupedExperts(GroupedExperts):
+    """Routed SwiGLU experts whose weight gradients a ``WeightGradQueue`` may defer; same parameters."""
+
+    wgrad_queue: WeightGradQueue | None = None
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, queue: WeightGradQueue) -> "DeferredGroupedExperts":
+        E, F_, D = experts.w1.shape
+        with torch.device("meta"):
+            new = cls(E, D, F_)
+        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
+        for key, value in vars(experts).items():          # plain attributes of other layouts (expert_offset)
+            if not key.startswith("_") and key != "training":
+                setattr(new, key, value)
+        new.wgrad_queue = queue
+        new.train(experts.training)
+        return new
+
+    def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return _ExpertsFn.apply(x_RD, self.w1, self.w2, self.w3, tokens_per_expert, self.wgrad_queue)
+
+
+# --------------------------------------------------------------------------------------------- converter
+def apply_deferred_wgrad(model: nn.Module, queue: WeightGradQueue) -> list[str]:
+    """Make every linear and routed-expert module of ``model`` defer its dW GEMMs into ``queue`` (see the
+    module docstring); returns their names. Idempotent; a second call moves them to the new queue."""
+    names = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (FP8Linear, FP8GroupedExperts, DeferredLinear, DeferredGroupedExperts)):
+            module.wgrad_queue = queue                     # FP8 keeps its class and numerics
+            new = module
+        elif isinstance(module, nn.Linear):
+            if module.bias is not None:
+                raise ValueError(f"apply_deferred_wgrad: {name or 'model'} has a bias (the model's linears have none)")
+            new = DeferredLinear.from_linear(module, queue)
+        elif isinstance(module, GroupedExperts):
+            new = DeferredGroupedExperts.from_experts(module, queue)
+        else:
+            continue
+        if new is not module:
+            if not name:
+                raise ValueError("apply_deferred_wgrad: pass the model that holds the module, not the module")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+        queue.deferred.update((id(p), p) for p in new.parameters())
+        names.append(name)
+    return names
