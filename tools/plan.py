@@ -31,7 +31,7 @@ from parallel.pipeline.simulator import Costs, Simulation, simulate
 from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, load_hardware,
                               step_end)
 from tools.schedule import draw
-from tools.size import GB, check_layout, model_parts, plan_memory
+from tools.size import FLOOR, GB, check_layout, model_parts, plan_memory
 
 
 # ---- the prediction --------------------------------------------------------------------------------
@@ -112,10 +112,11 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     else:
         sim, notes, bubble = None, [], 0.0
         pipeline, exposed, phases = _single_stage(stage_costs[0], hw, world_size, n_micro)
-    # tools.size models no recompute or full recompute; V3's partial recompute with FP8-cached activations is
-    # sized as full recompute (a lower bound: the no-recompute estimate of V3's own layout is 231 GB, yet it ran on 80 GB)
+    # tools.size has no model of V3's partial recompute with FP8-cached activations: v3 is sized at the floor of
+    # any recompute, each layer's input (a lower bound: the no-recompute estimate of V3's own layout is 231 GB, yet
+    # it ran on 80 GB); none and full are this trainer's train.recompute modes
     mem = plan_memory(cfg, world_size, "v3" if not hw.measured else "trainer",
-                      "none" if recompute == "none" else "full", model=model)
+                      FLOOR if recompute == "v3" else recompute, model=model)
     end = step_end(cfg, hw, mem, dims)
     step = pipeline + end
     tokens = t.global_batch_size * cfg.data.seq_len
@@ -155,6 +156,27 @@ def v3_check(hw_name: str = "h800", recompute: str = "v3") -> tuple[Prediction, 
             ("MFU (causal, BF16 peak)", pred.mfu, V3_PUBLISHED["mfu"]),
             ("tokens/s/GPU", pred.tokens_per_s_gpu, V3_PUBLISHED["tokens/s/GPU"])]
     return pred, rows
+
+
+def published_schedule_bubble(hw_name: str = "h800") -> dict:
+    """What DualPipe's schedule alone makes of the published rows: per-chunk F, B, W and F&B times read off
+    Table 4 with rank 0's action counts (``23 F, 15 B + 8 BW, 15 W, 97 F&B`` for PP16, 120 micro-batches),
+    equal on every stage, simulated with the profile's p2p. Returns the chunk times, rank 0's bubble and
+    the step (makespan + the published optimizer row): the bubble a deterministic schedule produces from
+    the published costs themselves, to set against the published 2.06 s (docs/planner.md)."""
+    cfg, hw = compose(V3_LAYOUT), load_hardware(hw_name)
+    dims = check_layout(cfg, V3_WORLD)
+    schedule = get_schedule(cfg.parallel.schedule, cfg.parallel.pp, cfg.train.global_batch_size // dims.dp)
+    n = {k: 0 for k in Kind}
+    for a in schedule.actions[0]:
+        n[a.kind] += a.is_compute
+    w = V3_PUBLISHED["W"] / n[Kind.W]
+    b = (V3_PUBLISHED["B"] - n[Kind.BW] * w) / (n[Kind.B] + n[Kind.BW])
+    chunk = {"f": V3_PUBLISHED["F"] / n[Kind.F], "b": b, "w": w, "fb": V3_PUBLISHED["F&B"] / n[Kind.FB]}
+    p2p = action_costs(cfg, hw, model_parts(models.build(cfg.model, "meta")), "fp8", "v3")[3]
+    sim = simulate(schedule, Costs(**chunk, p2p=p2p))
+    return {"chunk": chunk, "counts": {k.name: v for k, v in n.items() if v}, "bubble": sim.bubble[0],
+            "step": sim.makespan + V3_PUBLISHED["step end"]}
 
 
 # ---- search ----------------------------------------------------------------------------------------
@@ -215,13 +237,28 @@ def search(base: list[str], hw: Hardware, world_size: int, precision: str = "fp8
     return ok + [c for c in out if not (c.pred and c.pred.fits)]
 
 
+def _diffs(p: Prediction, q: Prediction) -> dict[str, float]:
+    """Seconds per step ``p`` spends more than ``q``, by cause (they sum to the step difference)."""
+    return {"bubble": p.bubble_s - q.bubble_s, "exposed all-to-all": p.exposed_a2a_s - q.exposed_a2a_s,
+            "step end (ZeRO + optimizer)": p.step_end_s - q.step_end_s,
+            "compute": (p.pipeline_s - p.bubble_s - p.exposed_a2a_s) - (q.pipeline_s - q.bubble_s - q.exposed_a2a_s)}
+
+
 def _loses(p: Prediction, best: Prediction) -> str:
     """The biggest of the differences that make ``p`` slower than ``best``."""
-    diffs = {"bubble": p.bubble_s - best.bubble_s, "exposed all-to-all": p.exposed_a2a_s - best.exposed_a2a_s,
-             "step end (ZeRO + optimizer)": p.step_end_s - best.step_end_s,
-             "compute": (p.pipeline_s - p.bubble_s - p.exposed_a2a_s) - (best.pipeline_s - best.bubble_s - best.exposed_a2a_s)}
+    diffs = _diffs(p, best)
     worst = max(diffs, key=diffs.get)
     return f"{100 * (1 - p.tokens_per_s_gpu / best.tokens_per_s_gpu):.1f}% slower: +{diffs[worst]:.2f} s {worst}"
+
+
+def versus(p: Prediction, ref: Prediction) -> str:
+    """Why ``p`` is faster (or slower) than the reference layout: tokens/s/GPU, then each cause in seconds per
+    step (ranks differ in step time per token: both steps cover the same global batch), and memory."""
+    causes = sorted(_diffs(p, ref).items(), key=lambda kv: kv[1])
+    parts = [f"{name} {d:+.2f} s" for name, d in causes if abs(d) >= 0.005]
+    gain = 100 * (p.tokens_per_s_gpu / ref.tokens_per_s_gpu - 1)
+    return (f"{gain:+.1f}% tokens/s/GPU vs the reference ({', '.join(parts) or 'same time'}; "
+            f"memory {p.memory_gb:.1f} vs {ref.memory_gb:.1f} GB)")
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
@@ -259,6 +296,25 @@ def _print_v3_check(args, hw: Hardware) -> None:
     print(f"\n{'DeepSeek-V3, 2048 ' + hw.name:<40} {'predicted':>10} {'published':>10} {'error':>7}")
     for name, got, want in rows:
         print(f"{name:<40} {got:>10.3f} {want:>10.3f} {100 * (got / want - 1):>+6.1f}%")
+    implied = published_schedule_bubble(args.hardware)
+    c = implied["chunk"]
+    print(f"\nThe published rows as per-chunk costs (rank 0's {implied['counts']}): F {c['f']:.3f}, B {c['b']:.3f}, "
+          f"W {c['w']:.3f}, F&B {c['fb']:.3f} s. DualPipe's schedule with them: rank 0 bubble "
+          f"{implied['bubble']:.2f} s (predicted {pred.bubble_s:.2f}), step {implied['step']:.2f} s; the published "
+          f"{V3_PUBLISHED['bubble']:.2f} s bubble and {V3_PUBLISHED['step']:.2f} s step hold "
+          f"{V3_PUBLISHED['bubble'] - implied['bubble']:.2f} s of idle time the schedule does not produce.")
+
+
+def _print_reference(ref: Prediction, ranked: list[Candidate], top: int) -> None:
+    """Where the layout given on the command line ranks, and what makes each of the top ones faster."""
+    fitting = [c for c in ranked if c.pred and c.pred.fits]
+    place = next((i + 1 for i, c in enumerate(fitting) if c.pred.layout == ref.layout), None)
+    where = f"#{place} of {len(fitting)} that fit" if place else ("does not fit" if not ref.fits else "not a candidate")
+    print(f"\nreference (the layout given): {ref.layout}: {where}; step {ref.step_s:.2f} s, bubble {ref.bubble_s:.2f} s, "
+          f"{ref.tokens_per_s_gpu:,.0f} tokens/s/GPU, {ref.memory_gb:.1f} GB")
+    for i, c in enumerate(fitting[:top]):
+        if c.pred.layout != ref.layout:
+            print(f"  #{i + 1} {c.pred.layout}: {versus(c.pred, ref)}")
 
 
 def _print_search(args, hw: Hardware, overrides: list[str]) -> None:
@@ -275,6 +331,9 @@ def _print_search(args, hw: Hardware, overrides: list[str]) -> None:
         key = c.why_not.split(":")[0] if not c.why_not[0].isdigit() else "slower"
         reasons[key] = reasons.get(key, 0) + 1
     print(f"{len(losers)} more: " + ", ".join(f"{n} {k}" for k, n in sorted(reasons.items())))
+    if any(o.startswith("parallel.") for o in overrides):   # a layout was given: compare the winners with it
+        ref = predict(compose(overrides), hw, args.world_size or 2048, args.precision, args.recompute)
+        _print_reference(ref, ranked, args.top)
 
 
 def _print_layout(args, hw: Hardware, overrides: list[str]) -> None:
