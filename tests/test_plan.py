@@ -125,4 +125,4 @@ def test_versus_reference_sums_to_the_step_difference():
     assert sum(_diffs(a, b).values()) == pytest.approx(a.step_s - b.step_s, abs=1e-12)
     text = versus(a, b)
     assert f"{100 * (a.tokens_per_s_gpu / b.tokens_per_s_gpu - 1):+.1f}% tokens/s/GPU" in text
-    assert "bubble" in text and f"{b.memory_gb:.1f} GB" in text
+    assert "bubble" in text and f"{b.memory_gb:.3g} GB" in text

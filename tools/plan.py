@@ -255,10 +255,10 @@ def versus(p: Prediction, ref: Prediction) -> str:
     """Why ``p`` is faster (or slower) than the reference layout: tokens/s/GPU, then each cause in seconds per
     step (ranks differ in step time per token: both steps cover the same global batch), and memory."""
     causes = sorted(_diffs(p, ref).items(), key=lambda kv: kv[1])
-    parts = [f"{name} {d:+.2f} s" for name, d in causes if abs(d) >= 0.005]
+    parts = [f"{name} {d:+.3g} s" for name, d in causes if abs(d) >= 1e-3 * ref.step_s]
     gain = 100 * (p.tokens_per_s_gpu / ref.tokens_per_s_gpu - 1)
     return (f"{gain:+.1f}% tokens/s/GPU vs the reference ({', '.join(parts) or 'same time'}; "
-            f"memory {p.memory_gb:.1f} vs {ref.memory_gb:.1f} GB)")
+            f"memory {p.memory_gb:.3g} vs {ref.memory_gb:.3g} GB)")
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
