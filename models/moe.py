@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import MLP
+from .layers import MLP, SwiGLU
 from .steps import Cut, LocalLink, Steps, carrying, drive
 
 
@@ -78,6 +78,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # gate  [E,F,D]
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))   # down  [E,D,F]
         self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # up    [E,F,D]
+        self.act = SwiGLU()   # a module, so that train.recompute=selective covers it (parallel/recompute.py)
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x_RD``: token copies sorted by expert; ``tokens_per_expert [E]`` their counts."""
@@ -89,8 +90,8 @@ class GroupedExperts(nn.Module):
             x_RD, w1, w2, w3 = (t.to(dtype) for t in (x_RD, w1, w2, w3))
         if self._grouped_mm_ok(x_RD, w1):
             offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-            h = F.silu(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offs))
-            h = h * torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offs)
+            h = self.act(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offs),
+                         torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offs))
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         return self.forward_loop(x_RD, tokens_per_expert)
 
@@ -98,7 +99,7 @@ class GroupedExperts(nn.Module):
         """Reference: one matmul chain per expert."""
         outs = []
         for e, x in enumerate(torch.split(x_RD, tokens_per_expert.tolist())):
-            outs.append(F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e]))
+            outs.append(F.linear(self.act(F.linear(x, self.w1[e]), F.linear(x, self.w3[e])), self.w2[e]))
         return torch.cat(outs) if outs else x_RD.new_zeros(0, self.w2.shape[1])
 
     @staticmethod

@@ -29,7 +29,6 @@ import functools
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -197,7 +196,7 @@ class FP8GroupedExperts(GroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         args = (tokens_per_expert, self.backend, self.pow2_scales, self.wgrad_queue)
-        h_RF = F.silu(fp8_grouped_linear(x_RD, self.w1, *args)) * fp8_grouped_linear(x_RD, self.w3, *args)
+        h_RF = self.act(fp8_grouped_linear(x_RD, self.w1, *args), fp8_grouped_linear(x_RD, self.w3, *args))
         return fp8_grouped_linear(h_RF, self.w2, *args)
 
     def extra_repr(self) -> str:

@@ -15,10 +15,13 @@ Modes:
   through a ``SwiGLU`` module too (``models/moe.py``); then they are, with no change here.
 - ``full``: a dense block keeps only its input (``Block.forward`` is one region). A MoE block cannot be one
   region (its dispatch / combine all-to-alls must not run again in backward, and ``MoE.forward`` counts
-  routed tokens): its compute modules are regions -- ``attn_norm``, ``attn`` (all of MLA), ``ffn_norm``, the
-  shared experts and the routed experts -- so per MoE layer it keeps the block input, the attention
-  input, the residual after attention, the FFN-norm output (gate and shared experts), the gate's and
-  balance loss's tensors, the dispatched token copies and the combine's (expert outputs, gate weights).
+  routed tokens): its calls between the all-to-alls are regions -- ``Block.attention`` (attn_norm, all of
+  MLA, the residual), ``ffn_norm``, the shared experts and the routed experts -- so per MoE layer it keeps
+  the block input, the residual after attention, the FFN-norm output (gate and shared experts), the gate's
+  and balance loss's tensors, the dispatched token copies and the combine's (expert outputs, gate weights).
+  Not regions: ``MoE.gate`` (its scores are kept by the balance loss anyway), ``MoE.balance`` (counts the
+  load: a side effect), ``MoE.post_combine`` (as a region it would also keep the combine output); joining
+  ``ffn_norm`` to ``attention`` would need one method returning both (it would save D*a more).
   The final norm, head, loss and MTP's projection are not recomputed (MTP's block is, like any block).
 
 No region contains a collective: regions are module calls between the expert all-to-alls, so the same
@@ -92,10 +95,8 @@ def _full(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
         if not isinstance(moe, MoE):
             out.append((blk, ("forward",)))
             continue
-        parts = [blk.attn_norm, blk.attn, blk.ffn_norm, moe.experts]
-        if isinstance(moe.shared_experts, MLP):
-            parts.append(moe.shared_experts)
-        out += [(m, ("forward",)) for m in parts]
+        parts = [blk.ffn_norm, moe.experts] + ([moe.shared_experts] if isinstance(moe.shared_experts, MLP) else [])
+        out += [(blk, ("attention",))] + [(m, ("forward",)) for m in parts]
     return out
 
 

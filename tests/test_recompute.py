@@ -22,6 +22,7 @@ from parallel.ep import apply_ep
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.replicas import ReplicaSync
+from parallel.pipeline.runner import wgrad_queue
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.stages import build_stages, prune_model
 from parallel.recompute import MODES, apply_recompute, regions
@@ -82,15 +83,15 @@ def test_regions_of_each_mode():
     cfg = model_preset("tiny")   # layer 0 dense, 1-3 MoE, one MTP (MoE) block
     sel = apply_recompute(models.build(cfg, "meta"), "selective")
     assert {"layers.0.attn_norm.forward", "layers.0.attn.q_up", "layers.0.attn.kv_up", "layers.0.ffn.act.forward",
-            "layers.2.ffn.shared_experts.act.forward", "norm.forward", "mtp.0.enorm.forward",
+            "layers.2.ffn.shared_experts.act.forward", "layers.2.ffn.experts.act.forward", "norm.forward", "mtp.0.enorm.forward",
             "mtp.0.block.attn.kv_up"} <= set(sel)
     assert not any("q_norm" in n or "kv_norm" in n or "experts.forward" in n for n in sel)   # inside q_up/kv_up
     full = apply_recompute(models.build(cfg, "meta"), "full")
     assert "layers.0.forward" in full and "layers.1.forward" not in full        # a MoE block is not one region
-    assert {"layers.1.attn_norm.forward", "layers.1.attn.forward", "layers.1.ffn_norm.forward",
+    assert {"layers.1.attention", "layers.1.ffn_norm.forward",
             "layers.1.ffn.experts.forward", "layers.1.ffn.shared_experts.forward",
             "mtp.0.block.ffn.experts.forward"} <= set(full)
-    assert not any(".gate" in n or n.endswith("ffn.forward") for n in full)     # no region holds routing state
+    assert not any(".gate" in n or n.endswith("ffn.forward") or "attn" in n for n in full)   # attention: one region
 
 
 def test_apply_is_idempotent_and_checked():
@@ -160,9 +161,41 @@ def test_b_w_split_recomputes_in_b_and_again_in_w(monkeypatch):
         counts[split] = {n: calls.count(n) for n in set(calls)}
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
-    # 2 layers: 2 MLA (q_up), 4 norms (attn_norm, ffn_norm), the dense layer's and one shared expert's SwiGLU
-    assert counts[False] == {"MLA.q_up": 2, "RMSNorm.forward": 4 + 4, "SwiGLU.forward": 2}   # q_norm, kv_norm inside
+    # 2 layers: 2 MLA (q_up), 4 norms (attn_norm, ffn_norm), the dense layer's, the shared and the routed SwiGLU
+    assert counts[False] == {"MLA.q_up": 2, "RMSNorm.forward": 4 + 4, "SwiGLU.forward": 3}   # q_norm, kv_norm inside
     assert counts[True] == {k: 2 * v for k, v in counts[False].items()}
+
+
+def test_routed_experts_selective_and_deferred_wgrad_compose(monkeypatch):
+    """Routed experts compute their SwiGLU product through ``GroupedExperts.act``, so selective covers them;
+    DeferredGroupedExperts (parallel/wgrad.py) keeps h1, h3 and recomputes the product itself: with both,
+    the product runs once in forward and never again (no double recompute), and B then W gives the
+    gradients of the plain backward, bitwise."""
+    from parallel.wgrad import DeferredGroupedExperts, WeightGradQueue, apply_deferred_wgrad
+    calls = []
+    monkeypatch.setattr(SwiGLU, "forward", (lambda fn: lambda self, *a: calls.append(self) or fn(self, *a))(
+        SwiGLU.forward))
+    base = models.build(model_preset("tiny"), seed=0).train()
+    ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base))
+    plain = copy.deepcopy(base)
+    assert "layers.1.ffn.experts.act.forward" in apply_recompute(plain, "selective")
+    model, queue = copy.deepcopy(base), WeightGradQueue()
+    apply_deferred_wgrad(model, queue)   # startup.build_model's order: deferred modules, then recompute
+    apply_recompute(model, "selective")
+    routed = {id(m.act) for m in model.modules() if isinstance(m, DeferredGroupedExperts)}
+    assert len(routed) == 4   # layers 1-3 and the MTP block
+    calls.clear()
+    loss = model.compute_loss(IDS[:, :-1], IDS[:, 1:], mtp_weight=0.3, aux_alpha=1e-2).loss
+    queue.backward("k", [loss], [None], [], model.parameters())
+    queue.run("k")
+    assert not routed & {id(m) for m in calls}
+    assert torch.equal(loss.detach(), ref_loss)
+    assert all(torch.equal(p.grad, ref_grads[n]) for n, p in model.named_parameters()), "deferred + selective"
+    calls.clear()
+    loss, grads = _loss_and_grads(plain)
+    routed = [m.act for m in plain.modules() if isinstance(m, models.moe.GroupedExperts)]
+    assert [sum(c is a for c in calls) for a in routed] == [2] * 4   # forward, then once more in backward
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
 
 
 def test_fp8_emulation_with_selective():
@@ -202,11 +235,13 @@ def _pipe_worker(rank, world, schedule, pp, ep, n_mb, mode, overlap):
         (out.loss / n_mb).backward()
         ref_lm.append(out.lm_loss)
     model = apply_ep(model, dims)
-    assert apply_recompute(model, mode)
     sched = get_schedule(schedule, dims.pp, n_mb)
+    queue = wgrad_queue(model, sched)   # zero-bubble schedules: deferred weight GEMMs, swapped before recompute
+    assert apply_recompute(model, mode)
     stages = build_stages(model, sched, dims.pp_rank)
     prune_model(model, stages)
-    ex = PipelineExecutor(stages, sched[dims.pp_rank], PipeChannels(dims), sched.n_stages, cfg.dim, overlap=overlap)
+    ex = PipelineExecutor(stages, sched[dims.pp_rank], PipeChannels(dims), sched.n_stages, cfg.dim, overlap=overlap,
+                          wgrad=queue)
     mine = [g[dims.dp_rank * rows:(dims.dp_rank + 1) * rows] for g in global_mbs]
     sums = ex.step([(m[:, :-1], m[:, 1:]) for m in mine], 1.0 / n_mb, 0.3, 0.01)
     ReplicaSync(cfg, sched, dims).sum_grads(model)

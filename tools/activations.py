@@ -13,13 +13,13 @@
             MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
   selective a norm keeps its input and the next linear its output: snorm = 2*D*a; the up-projections keep
             their latents: attention = snorm + q_lora*a (H*d_qk*a without q_lora) + (kv_lora + R)*a + core;
-            a SwiGLU keeps h1, h3 and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a
-            (routed experts as none); head use = snorm + V*f; MTP's norms: 3*D*a instead of 2*norm(D) + 2*D*a
-  full      dense layer = D*a (its input); MoE layer = 4*D*a + route + 2*K*D*a (block input, attention input,
-            residual, FFN-norm output; the dispatched and returned token copies); head use and MTP's
+            a SwiGLU keeps h1, h3 and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a,
+            routed experts 2*K*D*a + 3*K*F*a; head use = snorm + V*f; MTP's norms: 3*D*a instead of 2*norm(D) + 2*D*a
+  full      dense layer = D*a (its input); MoE layer = 3*D*a + route + 2*K*D*a (block input, residual after
+            attention, FFN-norm output; the dispatched and returned token copies); head use and MTP's
             projection as none, MTP's block as a layer
 Recomputation holds one layer's recomputed tensors at a time in backward, counted once per rank: selective
-the bytes a layer drops, full a whole dense layer, or the largest region of a MoE layer (MLA, the
+the bytes a layer drops, full a whole dense layer, or the largest region of a MoE layer (attention, the
 routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
 Checked against the bytes autograd saves on CPU (``tests/test_size.py``, ``tests/test_recompute.py``) and
 against a DualPipe run's measured peak (``bench/recompute_memory.py``).
@@ -60,15 +60,15 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     if recompute == "selective":
         snorm = 2 * D * a
         s_attn = snorm + (Q or H * qk) * a + (L + R) * a + core
-        s_moe, s_head = snorm + route + experts + 3 * Fs * a, snorm + m.vocab_size * f
+        s_moe, s_head = snorm + route + 2 * K * D * a + 3 * K * F * a + 3 * Fs * a, snorm + m.vocab_size * f
         sel = {"dense_layer": s_attn + snorm + 3 * I * a, "moe_layer": s_attn + s_moe, "head": s_head,
                "mtp": 3 * D * a + s_attn + s_moe + s_head}
         out.update(sel, dense_region=out["dense_layer"] - sel["dense_layer"],
                    moe_region=out["moe_layer"] - sel["moe_layer"])
     elif recompute == "full":
-        f_moe = 4 * D * a + route + 2 * K * D * a
+        f_moe = 3 * D * a + route + 2 * K * D * a
         out.update(dense_layer=D * a, moe_layer=f_moe, mtp=2 * norm(D) + 2 * D * a + f_moe + head,
-                   dense_region=attn + dense, moe_region=max(attn - norm(D), 4 * K * F * a, 4 * Fs * a))
+                   dense_region=attn + dense, moe_region=max(attn, 4 * K * F * a, 4 * Fs * a))
     return out
 
 
