@@ -26,13 +26,15 @@ Modes:
 
 No region contains a collective: regions are module calls between the expert all-to-alls, so the same
 regions serve ``Block.forward`` and the pipeline's piecewise F&B (``parallel/pipeline/overlap.py``, whose
-pieces call these modules). A backward that only computes input gradients (B, ``inputs=``) recomputes a
-region once; a later W that walks the graph again recomputes it again (each backward call is its own
-graph task; measured in ``tests/test_recompute.py``).
+pieces call these modules). The pipeline's B recomputes a region once and W recomputes nothing: W runs only
+the weight-gradient GEMMs B queued (``parallel/wgrad.py``). A W that walked the graph again would recompute
+every region a second time (each backward call is its own graph task; ``tests/test_recompute.py`` counts
+both).
 
 Mechanism: each chosen module's class is swapped for a subclass whose region methods run under
 ``checkpoint`` (as ``torch.distributed.fsdp.fully_shard`` swaps classes): parameters, state-dict keys and
-numerics are unchanged. Apply it after every transform that replaces modules (``apply_ep``, ``apply_fp8``):
+numerics are unchanged. Apply it after every transform that replaces modules (``apply_ep``, ``apply_fp8``,
+``apply_deferred_wgrad``; the order lives in ``trainer.startup.build_model``):
 a replaced module is a new object of its own class and would not recompute.
 """
 from __future__ import annotations

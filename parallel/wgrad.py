@@ -51,13 +51,19 @@ Compute = Callable[[], torch.Tensor]
 class WeightGradQueue:
     """Deferred weight-gradient GEMMs, one segment per key (a B's closures until its W).
 
-    Owned by whoever runs the step (one per model replica); ``apply_deferred_wgrad`` registers the
-    parameters whose dW it may hold."""
+    Owned by whoever runs the step (``PipelineRunner``: one per model replica); ``apply_deferred_wgrad``
+    registers the modules whose dW it may hold."""
 
     def __init__(self):
-        self.deferred: dict[int, nn.Parameter] = {}          # the deferrable parameters, by id
+        self.modules: list[nn.Module] = []                   # registered by ``apply_deferred_wgrad``
         self._segments: dict[Hashable, list[tuple[nn.Parameter, Compute]]] = {}
         self._open: list | None = None
+
+    @property
+    def deferred(self) -> dict[int, nn.Parameter]:
+        """The parameters whose dW this queue may hold, by id, read from its modules now: a model built on
+        meta gets new ``Parameter`` objects when it is materialised after ``apply_deferred_wgrad``."""
+        return {id(p): p for m in self.modules if m.wgrad_queue is self for p in m.parameters()}
 
     @property
     def deferring(self) -> bool:
@@ -90,7 +96,8 @@ class WeightGradQueue:
 
     def b_inputs(self, leaves: list, params) -> list[torch.Tensor]:
         """What B differentiates: ``leaves`` (None skipped) and the ``params`` that are not deferred."""
-        rest = [p for p in params if p.requires_grad and id(p) not in self.deferred]
+        deferred = self.deferred
+        rest = [p for p in params if p.requires_grad and id(p) not in deferred]
         return [t for t in leaves if t is not None] + rest
 
     def backward(self, key: Hashable, tensors: list, grads: list, leaves: list, params) -> None:
@@ -313,6 +320,7 @@ def apply_deferred_wgrad(model: nn.Module, queue: WeightGradQueue) -> list[str]:
                 raise ValueError("apply_deferred_wgrad: pass the model that holds the module, not the module")
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, new)
-        queue.deferred.update((id(p), p) for p in new.parameters())
+        if not any(m is new for m in queue.modules):
+            queue.modules.append(new)
         names.append(name)
     return names

@@ -1,7 +1,9 @@
 """Pipeline executor (every schedule) against the single-device model, on gloo/CPU processes:
-per-micro-batch losses equal, gradients equal (cosine distance < 1e-10), also with EP=2 inside."""
+per-micro-batch losses equal, gradients equal (cosine distance < 1e-10), also with EP=2 inside. Zero-bubble
+schedules run with the weight GEMMs deferred (B queues them, W runs only them): W issues no all-to-all."""
 import copy
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,10 @@ from parallel.pipeline.executor import PipelineExecutor
 from parallel.errors import P2PError
 from parallel.pipeline.p2p import PipeChannels
 from parallel.pipeline.replicas import ReplicaSync
+from parallel.pipeline.runner import wgrad_queue
 from parallel.pipeline.schedules import Kind, get_schedule
 from parallel.pipeline.stages import build_stages, prune_model
+from parallel.wgrad import DeferredLinear
 
 from .dist_utils import grads_with_reference, rel_err, spawn
 
@@ -31,6 +35,33 @@ def cos_dist(a, b):
     if a.norm() == 0 and b.norm() == 0:
         return 0.0
     return float(1 - torch.dot(a, b) / (a.norm() * b.norm()))
+
+
+def count_all_to_alls(ex: PipelineExecutor) -> tuple[Counter, callable]:
+    """Counts ``dist.all_to_all_single`` calls (every dispatcher transfer, forward and backward) per B / W
+    action of ``ex``; returns the counter and a function that undoes the patches."""
+    counts, kind, orig = Counter(), [None], dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        counts[kind[0]] += 1
+        return orig(*args, **kwargs)
+
+    def tagged(fn, name):
+        def run(a):
+            kind[0] = name
+            try:
+                return fn(a)
+            finally:
+                kind[0] = None
+        return run
+
+    dist.all_to_all_single = counting
+    ex._b, ex._w = tagged(ex._b, "B"), tagged(ex._w, "W")   # the executor dispatches through getattr(self, ...)
+
+    def undo():
+        dist.all_to_all_single = orig
+        del ex._b, ex._w
+    return counts, undo
 
 
 def _worker(rank, world, schedule, pp, ep, n_mb):
@@ -49,13 +80,23 @@ def _worker(rank, world, schedule, pp, ep, n_mb):
 
     model = apply_ep(model, dims)
     sched = get_schedule(schedule, dims.pp, n_mb)
+    queue = wgrad_queue(model, sched)   # as PipelineRunner does
+    split = any(a.kind is Kind.B for r in range(pp) for a in sched[r])
+    assert (queue is not None) == split == any(isinstance(m, DeferredLinear) for m in model.modules())
     stages = build_stages(model, sched, dims.pp_rank)
     prune_model(model, stages)
     replicas = ReplicaSync(cfg, sched, dims)
     actions = sched[dims.pp_rank]
-    ex = PipelineExecutor(stages, actions, PipeChannels(dims), sched.n_stages, cfg.dim)
+    ex = PipelineExecutor(stages, actions, PipeChannels(dims), sched.n_stages, cfg.dim, wgrad=queue)
+    all_to_alls, undo = count_all_to_alls(ex)
     mine = [g[dims.dp_rank * rows:(dims.dp_rank + 1) * rows] for g in global_mbs]
     sums = ex.step([(m[:, :-1], m[:, 1:]) for m in mine], 1.0 / n_mb, 0.3, 0.01)
+    undo()
+    assert all_to_alls["W"] == 0, f"W issued {all_to_alls['W']} all-to-alls (it must run only weight GEMMs)"
+    if ep > 1 and split:   # the counter sees the dispatchers: B sends the gradients back
+        assert all_to_alls["B"] > 0, all_to_alls
+    if split:
+        assert queue.pending() == [] and any(a.kind is Kind.W for a in actions)
     replicas.sum_grads(model)
     sync_gradients(model, dims)
 
@@ -80,6 +121,7 @@ CASES = [  # schedule, pp, ep, world, micro-batches
     ("dualpipev", 3, 1, 3, 7),  # odd pp; the smallest DualPipeV whose transfers needed FIFO placement
     pytest.param("dualpipe", 6, 1, 6, 12, marks=pytest.mark.slow),   # the smallest such DualPipe
     ("dualpipe", 2, 2, 4, 4),   # EP=2 inside each stage (dp=2)
+    ("zb1p", 2, 2, 4, 4),       # B/W split with EP=2: the stages' all-to-alls run in B, none in W
     ("1f1b", 2, 2, 4, 4),
 ]
 

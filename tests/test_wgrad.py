@@ -356,3 +356,22 @@ def test_queue_misuse_is_reported():
     with pytest.raises(ValueError, match="nothing for B"):
         queue.backward("c", [y.sum()], [None], [], lin.parameters())
     assert queue.pending() == ["a"] and not queue.deferring
+
+
+def test_queue_follows_parameters_materialised_after_the_swap():
+    """A model built on meta (HF init) gets new Parameter objects from ``to_empty`` after the runner applied
+    ``apply_deferred_wgrad``: the queue reads its deferred set from the modules, so B still leaves exactly the
+    deferred weights to W."""
+    model = build(ModelConfig(**CFG), device="meta", seed=0).train()
+    queue = WeightGradQueue()
+    apply_deferred_wgrad(model, queue)
+    before = list(queue.deferred.values())          # kept alive: their ids cannot be reused
+    model.to_empty(device="cpu")
+    model.init_weights()
+    now = {id(p) for n, p in model.named_parameters() if n in deferred_names(model)}
+    assert now == set(queue.deferred) and not now & {id(p) for p in before} and len(before) == len(now)
+    ids, labels = batch(1)[0]
+    queue.backward("k", [model.compute_loss(ids, labels, MTP, AUX).loss], [None], [], model.parameters())
+    assert all((p.grad is None) == (id(p) in now) for p in model.parameters())
+    queue.run("k")
+    assert all(p.grad is not None for p in model.parameters())

@@ -62,15 +62,18 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: 
     t = cfg.train
     model = apply_ep(models.build(cfg.model, device="meta" if on_meta else device, seed=t.seed), dims,
                      dispatcher=cfg.parallel.ep_dispatcher, fp8_dispatch=cfg.parallel.fp8_dispatch)
+    # The module transforms, in this one order: apply_ep (above), apply_fp8, apply_deferred_wgrad (inside
+    # PipelineRunner, zero-bubble schedules), apply_recompute last: it swaps classes in place, and a module
+    # replaced after it (routed experts by the FP8 or deferred ones) would silently not recompute.
     if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
         from parallel.fp8 import apply_fp8
         apply_fp8(model)
-    apply_recompute(model, t.recompute)   # train.recompute, after the module swaps (parallel/recompute.py)
     pipe = None
     if dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
         n_micro = batch_size_at(t, 0) // (t.micro_batch_size * dims.dp)   # the first step's
         pipe = PipelineRunner(model, dims, cfg.parallel.schedule, n_micro, cfg.parallel.pp_layout, device,
                               cfg.parallel.overlap)
+    apply_recompute(model, t.recompute)   # train.recompute (parallel/recompute.py)
     model.train()
     return model, pipe
 

@@ -9,9 +9,12 @@ order is FIFO-consistent.
 
 One path per action kind: a stage forward is the model's own steps (``Stage.steps``) recorded on a
 ``Tape`` (``overlap.py``), a backward runs the tape's pieces in reverse. F runs a forward; BW the full
-backward of a stage; B only the stage-input gradient, keeping the graphs; W later the parameter gradients
-(zero-bubble split — correct, though W re-traverses the graph; deferring only the weight GEMMs is a further
-optimisation). With ``overlap`` and a schedule that has F&B actions (DualPipe, DualPipeV) the tapes cut
+backward of a stage. The zero-bubble split: B differentiates the stage input and the non-GEMM parameters
+(norms, gate, embedding) and frees the graph, while the stage's deferred modules queue their weight-gradient
+GEMMs in the executor's ``WeightGradQueue`` under (micro-batch, stage) (``parallel/wgrad.py``); W runs only
+those GEMMs. So W issues no collective and recomputes nothing. Without a queue (an executor built on plain
+modules) nothing is deferred: B computes every gradient and W has nothing left to do.
+With ``overlap`` and a schedule that has F&B actions (DualPipe, DualPipeV) the tapes cut
 every stage at its expert all-to-alls and an F&B interleaves its forward and backward pieces in this
 thread (``run_pair``), so that one micro-batch's all-to-all is in flight while the other computes.
 Otherwise a tape is one piece (its all-to-alls exchanged at once, with autograd) and an F&B runs its two
@@ -27,8 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .overlap import Tape, backward_steps, record, run, run_pair, weight_backward
+from .overlap import Tape, backward_steps, record, run, run_pair
 from ..errors import named
+from ..wgrad import WeightGradQueue
 from .p2p import PipeChannels
 from .schedules.actions import Action, Kind, Payload
 from .stages import Stage
@@ -48,7 +52,6 @@ class _StepState:
     recv: dict = field(default_factory=dict)       # received activations and gradients
     in_grads: dict = field(default_factory=dict)   # stage input gradients, until sent or used on this rank
     tapes: dict = field(default_factory=dict)      # recorded stage forwards, until their backward
-    pending_w: dict = field(default_factory=dict)  # B -> W hand-over (first stage: its output gradients)
     fb_pieces: list[tuple] = field(default_factory=list)   # overlapped F&Bs: (half, compute s, wait s, injected s)
     sends: list = field(default_factory=list)      # (work, tensor) of the step's isends
 
@@ -57,7 +60,8 @@ class PipelineExecutor:
     WIRE_DTYPE = torch.float32   # activations and their gradients between stages (the residual stream)
 
     def __init__(self, stages: dict[int, Stage], actions: list[Action], channels: PipeChannels, n_stages: int,
-                 dim: int, device: torch.device | str = "cpu", overlap: bool = True):
+                 dim: int, device: torch.device | str = "cpu", overlap: bool = True,
+                 wgrad: WeightGradQueue | None = None):
         self.stages = stages                   # chunk -> Stage
         self.actions = actions
         self.p2p = channels                    # directional channels to the neighbouring pipeline ranks
@@ -67,6 +71,8 @@ class PipelineExecutor:
         # Cutting stages at their all-to-alls only pays off around F&B actions (DualPipe, DualPipeV).
         self.overlap = overlap and any(a.kind is Kind.FB for a in actions)
         self.state: _StepState | None = None   # the running step's (after it: the last step's)
+        # B/W: the queue the stages' deferred modules use (``apply_deferred_wgrad``); an empty one defers nothing
+        self.wgrad = wgrad if wgrad is not None else WeightGradQueue()
 
     # ---- one optimizer step's worth of micro-batches ----------------------------------------------
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
@@ -90,6 +96,8 @@ class PipelineExecutor:
         self.state.sends.clear()
         leftovers = set(self.state.outputs) | set(self.state.inputs)
         assert not leftovers, f"pipeline step ended with un-backpropagated (micro-batch, stage): {sorted(leftovers)}"
+        no_w = self.wgrad.pending()
+        assert not no_w, f"pipeline step ended with deferred weight gradients never run by a W: (micro-batch, stage) {no_w}"
         return self.state.sums
 
     # ---- compute ---------------------------------------------------------------------------------
@@ -148,25 +156,17 @@ class PipelineExecutor:
         self._finish_backward(a)
 
     def _b(self, a: Action) -> None:
-        key = (a.mb, a.stage)
-        x = self.state.inputs.get(key)
-        g = self._out_grads(a)
-        if x is None:   # the first stage has no input gradient: its whole backward runs at W
-            self.state.pending_w[key] = g
-            return
-        run(backward_steps(self.state.tapes[key], g, mode="input"))
-        self.state.in_grads[key] = x.grad
+        """B: gradients of the stage input and of the non-deferred parameters, piece by piece; the deferred
+        dW GEMMs wait in the queue under (micro-batch, stage). The graph is freed here."""
+        key, params = (a.mb, a.stage), self._params(self.stages[a.chunk])
+        with self.wgrad.collect(key):
+            run(backward_steps(self.state.tapes.pop(key), self._out_grads(a),
+                               lambda leaves: self.wgrad.b_inputs(leaves, params)))
+        self._finish_backward(a)
 
     def _w(self, a: Action) -> None:
-        key = (a.mb, a.stage)
-        tape = self.state.tapes.pop(key)
-        g = self.state.pending_w.pop(key, None)
-        if g is not None:   # first stage: the deferred full backward
-            run(backward_steps(tape, g))
-        else:
-            weight_backward(tape, self._params(self.stages[a.chunk]))
-        self.state.outputs.pop(key)
-        self.state.inputs.pop(key, None)
+        """W: the weight-gradient GEMMs its B queued (no collective, no graph)."""
+        self.wgrad.run((a.mb, a.stage))
 
     def _finish_backward(self, a: Action) -> None:
         self.state.outputs.pop((a.mb, a.stage))

@@ -24,15 +24,16 @@ the other computes its next piece, then the handle is waited for. ``run`` drives
 wait at once). The order of collectives depends only on the model's structure, so every rank of an EP
 group issues them in the same order.
 
-B / W split: ``backward_steps(..., mode="input")`` computes, piece by piece, only the gradients of each
-piece's inputs (keeping the graphs); ``weight_backward`` later runs every piece's backward for the
-parameters. The backward half of an F&B is a full backward (``Kind.FB``).
+B / W split: ``backward_steps(..., inputs=...)`` differentiates, piece by piece, only each piece's input
+leaves and the parameters ``inputs`` adds (the stage's non-deferred ones); the deferred weight GEMMs wait in
+a ``WeightGradQueue`` (``parallel/wgrad.py``) that W runs later. Either way a piece's graph is freed by its
+backward. The backward half of an F&B is a full backward (``Kind.FB``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -47,7 +48,6 @@ class Piece:
     n_recv: int = 0                                # how many of ``inputs`` came through the link
     outputs: list[torch.Tensor] = field(default_factory=list)   # aligned with the next piece's inputs
     link: Link | None = None                       # the transfer to the next piece
-    targets: tuple | None = None                   # (roots, grads) kept by an input-only backward for W
 
 
 def _diff(t) -> bool:
@@ -109,24 +109,25 @@ def _roots(piece: Piece, grads: list[torch.Tensor | None]) -> tuple[list, list]:
     return roots, gs
 
 
-def backward_steps(tape: Tape, out_grads: list[torch.Tensor | None], mode: str = "full") -> Steps:
+def backward_steps(tape: Tape, out_grads: list[torch.Tensor | None],
+                   inputs: Callable[[list], list] | None = None) -> Steps:
     """Backward of one stage forward, piece by piece from the last, as steps (yields the handles of the
     gradients' all-to-alls). ``out_grads``: the gradients of ``tape.finish``'s outputs (None: none).
-    ``mode="full"``: parameters and inputs (BW, the backward of an F&B); ``"input"``: only each piece's
-    input gradients, keeping graphs and seeds for ``weight_backward`` (B). The stage input's gradient lands
-    in ``.grad`` of the leaf the tape was made with."""
+    ``inputs`` None: every gradient (BW, the backward of an F&B). Else B of the zero-bubble split: each
+    piece differentiates only ``inputs(piece input leaves)`` (``WeightGradQueue.b_inputs``: the leaves and
+    the stage's non-deferred parameters). The stage input's gradient lands in ``.grad`` of the leaf the tape
+    was made with. Each piece's graph is freed by its backward."""
     grads: list[torch.Tensor | None] = list(out_grads)
     for i in range(len(tape.pieces) - 1, -1, -1):
         p = tape.pieces[i]
         roots, gs = _roots(p, grads)
-        if mode == "full":
-            if roots:
-                torch.autograd.backward(roots, gs)
-            p.outputs = []
-        else:
-            p.targets = (roots, gs)
-            if roots and p.inputs:
-                torch.autograd.backward(roots, gs, inputs=p.inputs, retain_graph=True)
+        if roots:
+            wanted = None if inputs is None else inputs(p.inputs)
+            if wanted is not None and not wanted:
+                raise RuntimeError(f"B of piece {i}: no input leaf and no non-deferred parameter to differentiate "
+                                   "(its deferred weight GEMMs would never be queued)")
+            torch.autograd.backward(roots, gs, inputs=wanted)
+        p.outputs = []
         if i == 0:
             break
         prev = tape.pieces[i - 1]
@@ -136,18 +137,7 @@ def backward_steps(tape: Tape, out_grads: list[torch.Tensor | None], mode: str =
         g_send = (yield prev.link.reverse(g_recv)) if g_recv else []   # nothing differentiable crossed: no transfer
         grads = in_grads[:k] + list(g_send)
         prev.link = None
-        if mode == "full":
-            p.inputs = p.inputs[:0]
-
-
-def weight_backward(tape: Tape, params: list[torch.Tensor]) -> None:
-    """W after an input-only backward: every piece's parameter gradients."""
-    if params:
-        for p in tape.pieces:
-            roots, gs = p.targets
-            if roots:
-                torch.autograd.backward(roots, gs, inputs=params)
-    tape.pieces.clear()
+        p.inputs = p.inputs[:0]
 
 
 # --------------------------------------------------------------------------------------------- drivers
@@ -190,4 +180,4 @@ def run_pair(a: Steps, b: Steps, timings: list | None = None) -> tuple[Any, Any]
     return results[0], results[1]
 
 
-__all__ = ["Tape", "record", "backward_steps", "weight_backward", "run", "run_pair"]
+__all__ = ["Tape", "record", "backward_steps", "run", "run_pair"]

@@ -1,8 +1,10 @@
 """``PipelineRunner``: what the trainer needs from pipeline parallelism, in one object.
 
-Built from the full single-device model (already expert-sharded): it keeps this rank's stages, prunes
-the rest, owns the executor for this rank's action list and the replica sums (DualPipe's twin stages,
-tied embeddings), and runs forward-only evaluation through the stages.
+Built from the full single-device model (already expert-sharded, FP8 swapped): with a zero-bubble
+schedule it makes the model's GEMM modules defer their weight gradients (``wgrad_queue``); it keeps this
+rank's stages, prunes the rest, owns the executor for this rank's action list, its ``WeightGradQueue`` and
+the replica sums (DualPipe's twin stages, tied embeddings), and runs forward-only evaluation through the
+stages.
 """
 from __future__ import annotations
 
@@ -12,12 +14,26 @@ import torch.distributed as dist
 from models.transformer import DeepSeekV3
 
 from ..dims import ParallelDims
+from ..wgrad import WeightGradQueue, apply_deferred_wgrad
 from .executor import PipelineExecutor
 from .p2p import PipeChannels
 from .schedules.actions import Kind
 from .replicas import ReplicaSync
-from .schedules import get_schedule
+from .schedules import Schedule, get_schedule
 from .stages import build_stages, prune_model
+
+
+def wgrad_queue(model: DeepSeekV3, schedule: Schedule) -> WeightGradQueue | None:
+    """For a schedule with zero-bubble B/W actions (ZB1P, DualPipe, DualPipeV): a queue, with the model's
+    linears and routed experts made to defer their weight GEMMs into it (``apply_deferred_wgrad``), so that
+    B computes dx and W runs only the dW GEMMs. None otherwise (1F1B): a deferred module's plain backward
+    costs a few % (docs/benchmarks.md). Before ``build_stages`` (the stages hold the modules it replaces)
+    and before ``apply_recompute`` (trainer.startup.build_model keeps the order)."""
+    if not any(a.kind in (Kind.B, Kind.W) for r in range(schedule.pp) for a in schedule[r]):
+        return None
+    queue = WeightGradQueue()
+    apply_deferred_wgrad(model, queue)
+    return queue
 
 
 class PipelineRunner:
@@ -26,6 +42,7 @@ class PipelineRunner:
         self.dims, self.cfg = dims, model.cfg
         self.schedule = get_schedule(schedule, dims.pp, n_microbatches)
         self.n_stages = self.schedule.n_stages
+        self.wgrad = wgrad_queue(model, self.schedule)   # one per model replica: every executor of it uses it
         self.stages = build_stages(model, self.schedule, dims.pp_rank, layout)
         prune_model(model, self.stages)
         self.replicas = ReplicaSync(model.cfg, self.schedule, dims, layout)
@@ -41,7 +58,7 @@ class PipelineRunner:
             return
         self.schedule = get_schedule(self.schedule.name, self.dims.pp, n)
         self.executor = PipelineExecutor(self.stages, self.schedule[self.dims.pp_rank], self.p2p, self.n_stages,
-                                         self.cfg.dim, self.device, self._overlap)
+                                         self.cfg.dim, self.device, self._overlap, self.wgrad)
         self.n_microbatches = n
 
     def forward_backward(self, micro_batches, loss_scale: float, mtp_weight: float, aux_alpha: float) -> torch.Tensor:
