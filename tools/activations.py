@@ -18,6 +18,10 @@
   full      dense layer = D*a (its input); MoE layer = 3*D*a + route + 2*K*D*a (block input, residual after
             attention, FFN-norm output; the dispatched and returned token copies); head use and MTP's
             projection as none, MTP's block as a layer
+Deferred weight gradients (schedules with B/W, ``parallel/wgrad.py``): the routed experts save x, h1, h3 (2*K*F*a
+            of SwiGLU in none and selective); their backward holds 5*K*F*a per token (7 under full) and, in a full
+            backward, the local experts' three weight gradients at once; a B keeps ``wgrad_held_bytes_per_token``
+            (every deferred GEMM's x and dy) until its W (``peak_live``'s ``held``).
 Recomputation holds one layer's recomputed tensors at a time in backward, counted once per rank: selective
 the bytes a layer drops, full a whole dense layer, or the largest region of a MoE layer (attention, the
 routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
@@ -34,12 +38,14 @@ FLOOR = "floor"
 
 
 def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False,
-                               recompute: str = "none") -> dict:
+                               recompute: str = "none", deferred: bool = False) -> dict:
     """Saved-for-backward bytes per token under ``recompute``: ``dense_layer``, ``moe_layer``, ``head`` (one
     use), ``mtp`` (one depth, its head use included), and ``dense_region`` / ``moe_region``: the most that
     one layer's recomputation holds at once in backward (0 without recompute). ``math_attention``: the
     attention core of PyTorch's math SDPA (CPU), which keeps the probabilities (H*T*f), instead of a flash
-    kernel's. The formulas are in the module doc."""
+    kernel's. ``deferred``: the routed experts are ``parallel.wgrad``'s (schedules with B/W actions), which save
+    x, h1 and h3 only (2*K*F*a of SwiGLU in none and selective) and hold s1, da, dh1, dh3 and the product
+    (5*K*F*a, ``experts_backward``) at once in their backward. The formulas are in the module doc."""
     f = 4
     D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
@@ -69,13 +75,52 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
         f_moe = 3 * D * a + route + 2 * K * D * a
         out.update(dense_layer=D * a, moe_layer=f_moe, mtp=2 * norm(D) + 2 * D * a + f_moe + head,
                    dense_region=attn + dense, moe_region=max(attn, 4 * K * F * a, 4 * Fs * a))
+    if deferred:
+        if recompute != "full":
+            fewer = (4 if recompute == "none" else 3) * K * F * a - 2 * K * F * a
+            out.update(moe_layer=out["moe_layer"] - fewer, mtp=out["mtp"] - fewer)
+        # the experts' backward: s1, da, dh1, dh3, the product at once (after recomputing x, h1, h3 under full)
+        out["experts_backward"] = (5 + 2 * (recompute == "full")) * K * F * a
+    return out
+
+
+def wgrad_held_bytes_per_token(m: ModelConfig, a: int) -> dict:
+    """Bytes per token the deferred weight-gradient queue (``parallel/wgrad.py``) holds from a stage's B to its
+    W, whatever the recompute mode: every deferred linear's input x and output gradient dy (inputs shared by
+    two linears counted once: wq_a/wkv_a, w1/w3), and per routed copy the experts' x, dy, SwiGLU product and
+    the gradients of h1 and h3. ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one depth)."""
+    D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
+    K, F, I, Fs = m.n_activated_experts, m.moe_inter_dim, m.inter_dim, m.moe_inter_dim * m.n_shared_experts
+    q = (Q + Q + H * qk) if Q else H * qk            # (x of wq_b, dy of wq_a,) dy of wq_b / wq
+    attn = (D + q + L + (L + R) + H * (N + V) + H * V + D) * a   # x shared, kv a/b, wo's x and dy
+    swiglu = lambda inter: (2 * D + 3 * inter) * a   # noqa: E731  x, dy of w1 and w3, w2's x, its dy
+    moe = attn + (swiglu(Fs) if Fs else 0) + K * (2 * D + 3 * F) * a
+    head = (D + m.vocab_size) * a
+    return {"dense_layer": attn + swiglu(I), "moe_layer": moe, "head": head,
+            "mtp": 3 * D * a + (moe if m.is_moe_layer(m.n_layers) else attn + swiglu(I)) + head}
+
+
+def stage_wgrad_held(m: ModelConfig, split: list[range], a: int, tokens: int) -> list[float]:
+    """Per stage: bytes of one micro-batch the weight-gradient queue holds between its B and W."""
+    per_tok = wgrad_held_bytes_per_token(m, a)
+    out = []
+    for s, layers in enumerate(split):
+        held = sum(per_tok["moe_layer" if m.is_moe_layer(i) else "dense_layer"] for i in layers)
+        if s == len(split) - 1:
+            held += per_tok["head"] + m.mtp_depth * per_tok["mtp"]
+        out.append(held * tokens)
     return out
 
 
 def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int, recompute: str,
-                      seq_len: int = 0, math_attention: bool = False) -> list[tuple[float, float]]:
-    """Per stage: (bytes saved per micro-batch, the most one layer's recomputation holds at once)."""
-    per_tok = activation_bytes_per_token(m, a, seq_len, math_attention, "none" if recompute == FLOOR else recompute)
+                      seq_len: int = 0, math_attention: bool = False, deferred: bool = False,
+                      expert_dw: float = 0.0) -> list[tuple[float, float]]:
+    """Per stage: (bytes saved per micro-batch, the most one layer's backward holds at once beyond them:
+    recomputed tensors, or the deferred experts' backward, whose full backward (BW, F&B) also returns
+    the three weight gradients of the local experts together, ``expert_dw`` bytes)."""
+    per_tok = activation_bytes_per_token(m, a, seq_len, math_attention, "none" if recompute == FLOOR else recompute,
+                                         deferred)
     out = []
     for s, layers in enumerate(split):
         kinds = ["moe" if m.is_moe_layer(i) else "dense" for i in layers]
@@ -88,5 +133,8 @@ def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int, r
         if last and m.mtp_depth:
             kinds.append("moe" if m.is_moe_layer(m.n_layers) else "dense")   # the MTP blocks
         saved = sum(per_tok[f"{k}_layer"] for k in kinds[:len(layers)]) + ends
-        out.append((saved * tokens, max([per_tok[f"{k}_region"] for k in kinds] + [0]) * tokens))
+        working = [per_tok[f"{k}_region"] * tokens for k in kinds] + [0]
+        if deferred and "moe" in kinds:
+            working.append(per_tok["experts_backward"] * tokens + expert_dw)
+        out.append((saved * tokens, max(working)))
     return out

@@ -59,7 +59,8 @@ from parallel.pipeline.simulator import Costs, peak_live, simulate
 from parallel.recompute import MODES as RECOMPUTE
 from parallel.zero import MOMENT_DTYPES, WEIGHT_DTYPES, moment_dtype, weights_for
 from parallel.zero.memory import formula
-from tools.activations import FLOOR, activation_bytes_per_token, stage_activations  # noqa: F401 (re-exported)
+from tools.activations import (FLOOR, activation_bytes_per_token, stage_activations,  # noqa: F401 (re-exported)
+                               stage_wgrad_held)
 
 GB = 1e9
 RECIPES = {  # bytes per (weight, AdamW moment); None: the trainer's weight / moment dtype (recipe_bytes)
@@ -231,7 +232,11 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     n_micro, schedule, sim = _pipeline(p, max(1, t.global_batch_size // (t.micro_batch_size * dims.dp)), notes)
     split = split_layers(m.n_layers, n_stages(p.schedule, p.pp), p.pp_layout)
     tokens = t.micro_batch_size * cfg.data.seq_len
-    acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention)
+    deferred = schedule is not None and schedule.splits_backward   # the runner's wgrad_queue rule
+    expert_dw = 3 * m.n_routed_experts // p.ep * m.moe_inter_dim * m.dim * a   # dW1, dW2, dW3 of the local experts
+    acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention, deferred, expert_dw)
+    # held from B to W where the schedule splits them; FLOOR (tools.plan's lower bound for V3) leaves it out
+    wgrad = stage_wgrad_held(m, split, a, tokens) if recompute != FLOOR else [0.0] * len(split)
     ranks = []
     for r in range(p.pp):
         held = stages_of_rank(schedule, r)
@@ -239,7 +244,7 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
         expert //= p.ep
         state = formula(dense, expert, dims.dp, dims.edp, p.zero, m_b, w_b)
         saved, working = {s: acts[s][0] for s in held}, max(acts[s][1] for s in held)
-        peak = saved[0] if sim is None else peak_live(sim.spans[r], saved.__getitem__)
+        peak = saved[0] if sim is None else peak_live(sim.spans[r], saved.__getitem__, wgrad.__getitem__)
         ranks.append(RankMemory(
             pp_rank=r, stages=held, layers=[i for s in held for i in split[s]], params_dense=dense,
             params_expert=expert, weights=state["params"], grads=state["grads"], optim=state["master"] + state["optim"],

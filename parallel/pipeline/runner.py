@@ -29,7 +29,7 @@ def wgrad_queue(model: DeepSeekV3, schedule: Schedule) -> WeightGradQueue | None
     B computes dx and W runs only the dW GEMMs. None otherwise (1F1B): a deferred module's plain backward
     costs a few % (docs/benchmarks.md). Before ``build_stages`` (the stages hold the modules it replaces)
     and before ``apply_recompute`` (trainer.startup.build_model keeps the order)."""
-    if not any(a.kind in (Kind.B, Kind.W) for r in range(schedule.pp) for a in schedule[r]):
+    if not schedule.splits_backward:
         return None
     queue = WeightGradQueue()
     apply_deferred_wgrad(model, queue)

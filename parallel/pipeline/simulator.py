@@ -262,8 +262,11 @@ class _Simulator:
         return Simulation([st.spans for st in self.ranks], makespan, busy, bubble, peak)
 
 
-def peak_live(spans: Sequence[Span], weight: Callable[[int], float] = lambda stage: 1) -> float:
-    """The most activations one rank holds at once (module doc), each weighted by ``weight(stage)``."""
+def peak_live(spans: Sequence[Span], weight: Callable[[int], float] = lambda stage: 1,
+              held: Callable[[int], float] = lambda stage: 0) -> float:
+    """The most activations one rank holds at once (module doc), each weighted by ``weight(stage)``; a B frees
+    its stage's activations but keeps ``held(stage)`` until the matching W (the deferred weight-gradient
+    GEMMs' operands, ``parallel/wgrad.py``)."""
     live = top = 0
     for span in spans:
         if not span.action.is_compute:
@@ -271,7 +274,10 @@ def peak_live(spans: Sequence[Span], weight: Callable[[int], float] = lambda sta
         parts = span.action.parts()
         live += sum(weight(p.stage) for p in parts if p.kind is Kind.F)
         top = max(top, live)
+        live += sum(held(p.stage) for p in parts if p.kind is Kind.B)
+        top = max(top, live)
         live -= sum(weight(p.stage) for p in parts if p.kind in (Kind.B, Kind.BW))
+        live -= sum(held(p.stage) for p in parts if p.kind is Kind.W)
     return top
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .actions import Action
+from .actions import Action, Kind
 
 
 def count_stages(schedule: Sequence[Sequence[Action]]) -> int:
@@ -40,6 +40,12 @@ class Schedule(Sequence):
     @cached_property
     def n_stages(self) -> int:
         return count_stages(self.actions)
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether some backward is split into B (input gradients) and a later W (weight gradients): the
+        zero-bubble schedules. Such a run defers its weight-gradient GEMMs (``parallel/wgrad.py``)."""
+        return any(a.kind in (Kind.B, Kind.W) for actions in self.actions for a in actions)
 
     @cached_property
     def _placement(self) -> tuple[dict[int, int], ...]:
