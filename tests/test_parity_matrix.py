@@ -6,9 +6,9 @@ torch's fp32 ``clip_grad_norm_`` over gradients summed in another order, and Ada
 (about lr * sign(g)) turns rounding-level differences of near-zero gradients into full-size ones.
 
 Trainer-level (``Trainer.train_step``: pipeline executor, twin-stage sums, gradient reduction, the AdamW /
-ZeRO-1 step, the balancing-bias update), cheaply: two process spawns, each building a fresh Trainer per
-configuration inside its workers -- pp=2 (dp 1: EP 1, ZeRO 0) and pp=2 x dp=2 with EP 2 and ZeRO 1 (world
-4). Overlap changes only schedules with F&B actions (``PipelineExecutor.overlap``); 1F1B and ZB1P have none
+ZeRO-1 step, the balancing-bias update), cheaply: one process spawn per layout, each building a fresh
+Trainer per configuration inside its workers -- pp=2 (dp 1: EP 1, ZeRO 0), and pp=2 x dp=2 (world 4) with
+EP 2 and ZeRO 1, EP 1 and ZeRO 1, EP 2 and ZeRO 0. Overlap changes only schedules with F&B actions (``PipelineExecutor.overlap``); 1F1B and ZB1P have none
 (asserted), so they run once."""
 import json
 
@@ -29,6 +29,8 @@ COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "train.eval_e
 LAYOUTS = {   # name: (world, overrides)
     "pp2": (2, []),
     "pp2-dp2-ep2-zero1": (4, ["parallel.ep=2", "parallel.zero=1"]),
+    "pp2-dp2-zero1": (4, ["parallel.zero=1"]),
+    "pp2-dp2-ep2": (4, ["parallel.ep=2"]),
 }
 
 
