@@ -14,7 +14,7 @@ hands back detached leaves, and computes another micro-batch meanwhile.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Protocol
+from typing import Any, Callable, Generator, Protocol
 
 import torch
 
@@ -70,15 +70,19 @@ class LocalLink:
         return Done(list(grads))
 
 
-def drive(steps: Steps) -> Any:
-    """Run ``steps`` straight through: each cut's link exchanges at once; returns the result."""
+def pump(steps: Steps, answer: Callable[[Any], Any]) -> Any:
+    """Run a generator to its end, sending back ``answer(what it yielded)`` each time; returns its result."""
     value = None
     while True:
         try:
-            cut = steps.send(value)
+            value = answer(steps.send(value))
         except StopIteration as stop:
             return stop.value
-        value = (cut.carry, cut.link(cut.sends))
+
+
+def drive(steps: Steps) -> Any:
+    """Run ``steps`` straight through: each cut's link exchanges at once; returns the result."""
+    return pump(steps, lambda cut: (cut.carry, cut.link(cut.sends)))
 
 
 def carrying(steps: Steps, carry: tuple) -> Steps:
@@ -95,4 +99,4 @@ def carrying(steps: Steps, carry: tuple) -> Steps:
         value, carry = (tuple(new[:n]), received), tuple(new[n:])
 
 
-__all__ = ["Steps", "Cut", "Link", "LocalLink", "Done", "drive", "carrying"]
+__all__ = ["Steps", "Cut", "Link", "LocalLink", "Done", "pump", "drive", "carrying"]

@@ -37,7 +37,7 @@ from typing import Any, Callable, Generator
 
 import torch
 
-from models.steps import Cut, Link
+from models.steps import Cut, Link, pump
 
 Steps = Generator[Any, Any, Any]   # yields handles (``.wait()`` -> tensors), receives their results
 
@@ -143,13 +143,7 @@ def backward_steps(tape: Tape, out_grads: list[torch.Tensor | None],
 # --------------------------------------------------------------------------------------------- drivers
 def run(steps: Steps) -> Any:
     """Drive one step generator alone: every all-to-all is waited for right after its launch."""
-    value = None
-    while True:
-        try:
-            handle = steps.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value = handle.wait()
+    return pump(steps, lambda handle: handle.wait())
 
 
 def run_pair(a: Steps, b: Steps, timings: list | None = None) -> tuple[Any, Any]:
