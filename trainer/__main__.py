@@ -114,10 +114,12 @@ def _config_error(e: ConfigError, maybe_own: bool = False) -> NoReturn:
     """Exit 2 with one line, printed once. An error in the config itself (keys, values, layout for this world
     size) is the same on every rank: rank 0 says it, the others leave in silence. One found while building
     (``maybe_own``: a checkpoint, the data, the memory estimate) is usually the same everywhere too, but may
-    be this rank's own (a file its node lacks): a rank other than 0 waits a moment first, and torchrun or
-    srun --kill-on-bad-exit ends it meanwhile when rank 0 has exited 2; if nothing does, it says its own."""
+    be this rank's own (a file its node lacks): it says its own if it is still running. A rank other than 0
+    always waits a moment first, and torchrun or srun --kill-on-bad-exit ends it meanwhile when rank 0 has
+    exited 2: a launcher that ends the job at the first failed rank would otherwise kill rank 0 before it
+    printed (seen under load, when rank 1 got there first)."""
     rank0 = os.environ.get("RANK", "0") == "0"
-    if maybe_own and not rank0:
+    if not rank0:
         time.sleep(3)
     if rank0 or maybe_own:
         print(f"error: {e}", file=sys.stderr, flush=True)
