@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 
 # Fragments of the errors torch raises when a peer hung (timeout) or died (connection lost), gloo and NCCL.
-_COMM_FAILURE = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                 "NCCL", "ProcessGroup", "Watchdog", "watchdog", "gloo")
+# gloo's asynchronous work (an all-to-all started outside autograd, waited for later) reports its timeout
+# as "Application timeout caused pair closure".
+_COMM_FAILURE = ("Timed out", "timed out", "Application timeout", "Connection closed by peer",
+                 "Connection reset by peer", "Broken pipe", "NCCL", "ProcessGroup", "Watchdog", "watchdog", "gloo")
 
 
 class P2PError(RuntimeError):

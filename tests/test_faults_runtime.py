@@ -372,5 +372,18 @@ def test_stopped_worker_under_torchrun_ends_the_job(tmp_path):
                 pass
     waited = time.monotonic() - t0
     assert tr.returncode != 0
-    assert "Timed out" in err and "a peer hung or died" in err, err[-3000:]
+    # gloo words a timeout "Timed out ..." (a blocking call) or "Application timeout caused pair closure" (an
+    # asynchronous all-to-all waited for later, as the pipeline's and EP's links do)
+    assert ("Timed out" in err or "Application timeout" in err) and "a peer hung or died" in err, err[-3000:]
     print(f"torchrun ended {waited:.1f} s after a worker stopped (timeout {TIMEOUT_S} s)")
+
+
+def test_gloo_async_timeout_is_named_as_a_comm_failure():
+    """gloo's wording for a timed-out asynchronous collective (seen in CI on an EP backward all-to-all)."""
+    from parallel.errors import CommFailure, named
+    with pytest.raises(CommFailure, match="expert all-to-all of layer 3: Application timeout caused pair closure"):
+        with named("expert all-to-all of layer 3"):
+            raise RuntimeError("Application timeout caused pair closure")
+    with pytest.raises(ValueError):   # anything else passes through unchanged
+        with named("expert all-to-all of layer 3"):
+            raise ValueError("Application timeout")
