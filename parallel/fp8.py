@@ -29,9 +29,12 @@ import functools
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.reference import dequant
+from models.layers import SwiGLU
 from models.moe import GroupedExperts
 
 LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn\.(w1|w2|w3)|shared_experts\.(w1|w2|w3))$")
@@ -201,6 +204,59 @@ class FP8GroupedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         return f"fp8 backend={self.backend}, pow2_scales={self.pow2_scales}"
+
+
+class _FP8CachedSwiGLUFn(torch.autograd.Function):
+    """``silu(h1) * h3`` from the exact inputs, keeping them for backward only as FP8 (1×128 tiles, the
+    activations' quantisation); backward recomputes from the dequantised copies."""
+
+    @staticmethod
+    def forward(ctx, h1, h3, ops, pow2):
+        with torch.autocast(h1.device.type, enabled=False):
+            out = F.silu(h1) * h3
+            ctx.save_for_backward(*ops.quant_act(_rows(h1), pow2), *ops.quant_act(_rows(h3), pow2))
+        ctx.shape, ctx.dtypes = h1.shape, (h1.dtype, h3.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q1, s1, q3, s3 = ctx.saved_tensors
+        with torch.autocast(g.device.type, enabled=False):
+            h1, h3, g = dequant(q1, s1).view(ctx.shape), dequant(q3, s3).view(ctx.shape), g.float()
+            sig = torch.sigmoid(h1)
+            d1 = g * h3 * sig * (1 + h1 * (1 - sig)) if ctx.needs_input_grad[0] else None
+            d3 = g * h1 * sig if ctx.needs_input_grad[1] else None
+        return (None if d1 is None else d1.to(ctx.dtypes[0]), None if d3 is None else d3.to(ctx.dtypes[1]),
+                None, None)
+
+
+class FP8CachedSwiGLU(SwiGLU):
+    """The SwiGLU of a MoE layer's FP8 experts under ``train.recompute=selective`` (DeepSeek-V3 §3.3.2: the
+    SwiGLU inputs in MoE are cached in FP8 and its output recomputed in backward): it keeps ``h1, h3`` for
+    backward as FP8 with 1×128 scales (1 byte + 4/128 per element instead of the activation dtype's 2 or 4)
+    and recomputes the product's derivative from them. Set by ``parallel/recompute.py``, which copies the FP8
+    module's backend and scale mode here. Forward values are exact; gradients see the FP8 rounding of h1, h3."""
+
+    recomputed = ("forward",)   # reported by parallel.recompute.regions like its checkpointed regions
+    backend, pow2_scales = "auto", False
+
+    def forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not (h1.requires_grad or h3.requires_grad):
+            return super().forward(h1, h3)
+        return _FP8CachedSwiGLUFn.apply(h1, h3, kernels.get_ops(self.backend, h1.device), self.pow2_scales)
+
+
+def fp8_swiglus(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(SwiGLU) -> the FP8 module it belongs to`` for every MoE SwiGLU whose GEMMs are FP8: the routed
+    experts' (``FP8GroupedExperts``) and the shared experts' (an MLP whose ``w1`` is an ``FP8Linear``)."""
+    out = {}
+    for m in model.modules():
+        if isinstance(m, FP8GroupedExperts):
+            out[id(m.act)] = m
+        shared = getattr(m, "shared_experts", None)
+        if isinstance(getattr(shared, "w1", None), FP8Linear):
+            out[id(shared.act)] = shared.w1
+    return out
 
 
 def apply_fp8(model: nn.Module, backend: str = "auto", pow2_scales: bool = False) -> list[str]:

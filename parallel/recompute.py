@@ -11,8 +11,10 @@ Modes:
   regions are still kept by whatever consumes them: the attention core keeps q, k, v (v holds wkv_b's
   output); a norm's output is kept by the next linear, as an FP8 copy when that linear is FP8
   (``train.precision=fp8``, ``parallel/fp8.py``) -- V3's layout -- else in the activation dtype; the SwiGLU
-  product by w2 likewise. Routed experts are not covered until ``GroupedExperts`` computes its product
-  through a ``SwiGLU`` module too (``models/moe.py``); then they are, with no change here.
+  product by w2 likewise. The routed experts' SwiGLU (``GroupedExperts.act``) is covered too. With FP8
+  experts (``train.precision=fp8``) a MoE layer's SwiGLUs -- routed and shared experts -- keep ``h1, h3`` as
+  FP8 with 1×128 scales instead (``parallel.fp8.FP8CachedSwiGLU``, V3 §3.3.2), and recompute from those:
+  not a checkpoint region, and gradients see the FP8 rounding of h1 and h3 (forward values are exact).
 - ``full``: a dense block keeps only its input (``Block.forward`` is one region). A MoE block cannot be one
   region (its dispatch / combine all-to-alls must not run again in backward, and ``MoE.forward`` counts
   routed tokens): its calls between the all-to-alls are regions -- ``Block.attention`` (attn_norm, all of
@@ -49,6 +51,8 @@ from models.attention import MLA
 from models.layers import MLP, RMSNorm, SwiGLU
 from models.moe import MoE
 from models.transformer import Block
+
+from .fp8 import FP8CachedSwiGLU, fp8_swiglus
 
 MODES = ("none", "selective", "full")   # train.recompute
 
@@ -117,8 +121,13 @@ def apply_recompute(model: nn.Module, mode: str) -> list[str]:
         raise ValueError(f"apply_recompute: the model already recomputes other regions ({done[0]}, ...); "
                          f"one mode per model")
     classes: dict = {}
+    fp8 = fp8_swiglus(model) if mode == "selective" else {}
     for module, methods in targets:
-        _swap(module, methods, classes)
+        if id(module) in fp8:
+            module.__class__ = FP8CachedSwiGLU
+            module.backend, module.pow2_scales = fp8[id(module)].backend, fp8[id(module)].pow2_scales
+        else:
+            _swap(module, methods, classes)
     return wanted
 
 
