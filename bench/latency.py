@@ -3,8 +3,9 @@
 
 ``add_latency(model, latency_s)`` replaces every MoE layer's EP dispatcher by a twin (same state) whose
 token-row transfers take ``latency_s`` on the wire: every one over the flat EP group
-(``AllToAllDispatcher``), the inter-node hops of ``HierarchicalDispatcher``; count and id exchanges are
-not delayed. The latency is a deadline: a transfer launched at t arrives at t + latency, and waiting
+(``AllToAllDispatcher``), the inter-node hops of ``HierarchicalDispatcher``, and the two cuts (dispatch,
+combine) of the single-device ``LocalDispatcher``, where nothing is copied and no communication thread runs:
+the host computes alone. Count and id exchanges are not delayed. The latency is a deadline: a transfer launched at t arrives at t + latency, and waiting
 for it sleeps only what is left (``Deadline``), so compute done in between hides it. A forward driven
 straight through (each cut's link exchanged at once, forward and backward) pays it all; so does the FP8
 hierarchical route, whose ``dispatch`` / ``combine`` run synchronously with autograd.
@@ -16,8 +17,10 @@ from functools import partial
 
 import torch
 
-from models.moe import MoE
+from models.moe import LocalDispatcher, MoE
+from models.steps import Done, LocalLink
 from parallel.ep.dispatch import AllToAllDispatcher, HierarchicalDispatcher
+from parallel.ep.links import exchange
 
 
 class Deadline:
@@ -74,9 +77,34 @@ class HierarchicalWithLatency(_Latency, HierarchicalDispatcher):
         return Deadline(handle, self.latency_s, partial(self.stats.add_time, stat)) if hop == "inter" else handle
 
 
+class LocalLinkWithLatency(LocalLink):
+    """``LocalLink`` whose rows arrive ``latency_s`` after the launch, both ways; called straight through it
+    waits for them at once, forward and backward (``exchange``), as an all-to-all's link does."""
+
+    def __init__(self, latency_s: float):
+        self.latency_s = latency_s
+
+    def __call__(self, sends):
+        return exchange(self, sends)
+
+    def start(self, sends):
+        return Deadline(Done([t.detach() for t in sends]), self.latency_s)
+
+    def reverse(self, grads):
+        return Deadline(Done(list(grads)), self.latency_s)
+
+
+class LocalWithLatency(LocalDispatcher):
+    latency_s = 0.0
+
+    def link(self):
+        return LocalLinkWithLatency(self.latency_s)
+
+
 def with_latency(dispatcher, latency_s: float):
     """The latency twin of ``dispatcher``, sharing its state (groups, stats, name)."""
-    twin_cls = {AllToAllDispatcher: AllToAllWithLatency, HierarchicalDispatcher: HierarchicalWithLatency}
+    twin_cls = {AllToAllDispatcher: AllToAllWithLatency, HierarchicalDispatcher: HierarchicalWithLatency,
+                LocalDispatcher: LocalWithLatency}
     twin = object.__new__(twin_cls[type(dispatcher)])
     twin.__dict__.update(vars(dispatcher))
     twin.latency_s = latency_s
@@ -84,9 +112,10 @@ def with_latency(dispatcher, latency_s: float):
 
 
 def add_latency(model: torch.nn.Module, latency_s: float) -> torch.nn.Module:
-    """Give every MoE layer with an EP dispatcher ``latency_s`` per token-row transfer (none when 0)."""
+    """Give every MoE layer ``latency_s`` per token-row transfer (none when 0)."""
     if latency_s:
         for moe in model.modules():
-            if isinstance(moe, MoE) and isinstance(moe.dispatcher, (AllToAllDispatcher, HierarchicalDispatcher)):
+            if isinstance(moe, MoE) and type(moe.dispatcher) in (AllToAllDispatcher, HierarchicalDispatcher,
+                                                                 LocalDispatcher):
                 moe.dispatcher = with_latency(moe.dispatcher, latency_s)
     return model

@@ -7,9 +7,10 @@ pp=2 (DualPipe) x ep gloo processes, 8 micro-batches of ``--rows`` sequences of 
 blocks, the last stage's third being the MTP block). Every expert all-to-all is in flight
 for ``--latency-ms`` (injected wire time: a deadline, see ``bench/latency.py``), forward and
 backward (with ``--ep 2``, the trainer's default hierarchical dispatcher over two EP nodes: the
-inter-node hops). With ``--ep 1`` each rank's experts stay local but still go through an all-to-all dispatcher
-over a one-rank group, so the injected latency is there while the 2 processes do not oversubscribe a
-2-core machine. For overlap off/on and latency 0/L it times the F&B actions (the only place overlap
+inter-node hops). With ``--ep 1`` each rank's experts stay local, so the 2 processes do not oversubscribe
+a 2-core machine: by default the single-device dispatcher with the latency on its two cuts, so that the host
+does nothing but compute (``--ep1-route solo``: an all-to-all dispatcher over a one-rank gloo group, whose
+worker thread copies the rows meanwhile; at L = 0 overlapped, that thread competes with the compute). For overlap off/on and latency 0/L it times the F&B actions (the only place overlap
 can act) and the whole step, on the slowest rank (best of ``--steps`` steps; the configurations run
 round-robin, one step each, so that a shared machine's load drifts over all of them alike, and the
 minimum drops the steps that another job's burst slowed down):
@@ -67,7 +68,7 @@ def worker(rank, world, store, args, out):
     for overlap in (False, True):
         for latency in [0.0] + args.latency_ms:
             model = apply_ep(build(cfg, seed=0), dims).train()
-            if args.ep == 1:
+            if args.ep == 1 and args.ep1_route == "solo":
                 for moe in model.moe_layers():
                     moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, solo, 1)
             add_latency(model, latency / 1e3)
@@ -103,6 +104,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[4.0])
     ap.add_argument("--ep", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--ep1-route", choices=("local", "solo"), default="local",
+                    help="with --ep 1: the single-device dispatcher with latency on its cuts (local), or an all-to-all "
+                         "dispatcher over a one-rank gloo group (solo: its worker thread copies the rows, competing "
+                         "with the compute for the 2 cores when overlapped)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--moe-inter", type=int, default=0, help="expert hidden size (default: --dim)")
@@ -113,7 +118,8 @@ def main() -> None:
     store = Path(tempfile.mkdtemp()) / "store"
     world = 2 * args.ep
     mp.spawn(worker, args=(world, str(store), args, out), nprocs=world, join=True)
-    print(f"DualPipe pp=2 x EP={args.ep} ({world} CPU processes), {N_MB} micro-batches of {args.rows}x{args.seq} "
+    route = f", EP=1 route {args.ep1_route}" if args.ep == 1 else ""
+    print(f"DualPipe pp=2 x EP={args.ep}{route} ({world} CPU processes), {N_MB} micro-batches of {args.rows}x{args.seq} "
           f"tokens, dim {args.dim}, expert dim {args.moe_inter or args.dim}, injected latency {args.latency_ms} ms "
           "per all-to-all")
     fwd, bwd = (" / ".join(f"{t * 1e3:.1f}" for t in q) for q in out[(True, 0.0)][4:])

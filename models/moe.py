@@ -129,8 +129,10 @@ class LocalDispatcher:
     """Single-device reference dispatcher: sort token copies by expert, un-sort and weight-sum back.
 
     Deterministic (a gather, not ``index_add``), and dropless. ``route`` cuts where an expert-parallel
-    dispatcher's all-to-alls are, with nothing in flight (``LocalLink``).
+    dispatcher's all-to-alls are, with nothing in flight (``link``, a ``LocalLink`` unless a benchmark gives its
+    links a latency).
     """
+    link = LocalLink
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -153,9 +155,9 @@ class LocalDispatcher:
               experts: nn.Module) -> Steps:
         """dispatch | experts | combine, as steps; returns ``y_TD``. The gate weights cross the cuts."""
         x_RD, tokens_per_expert, (order_R, w_TK) = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-        (w_TK,), (x_RD,) = yield Cut((w_TK,), [x_RD], LocalLink())
+        (w_TK,), (x_RD,) = yield Cut((w_TK,), [x_RD], self.link())
         y_RD = experts(x_RD, tokens_per_expert)
-        (w_TK,), (y_RD,) = yield Cut((w_TK,), [y_RD], LocalLink())
+        (w_TK,), (y_RD,) = yield Cut((w_TK,), [y_RD], self.link())
         return self.combine(y_RD, (order_R, w_TK))
 
 
