@@ -99,7 +99,8 @@ class TrainConfig:
     micro_batch_size: int = 8         # sequences per forward/backward on one rank
     precision: str = "fp32"           # fp32 | bf16 (BF16 weights, FP32 master + grads in the optimizer) | fp8 (bf16 + FP8 linears/experts)
     # Activation recomputation (parallel/recompute.py): none | selective (V3's set: RMSNorm, MLA up-projections,
-    # SwiGLU; recomputed in backward from their inputs) | full (each dense layer; a MoE layer's compute between its all-to-alls)
+    # SwiGLU; recomputed in backward from their inputs, MoE SwiGLU inputs kept in FP8 with precision=fp8) | full (each
+    # dense layer; a MoE layer's compute between its all-to-alls)
     recompute: str = "none"
     device: str = "auto"              # auto (cuda if available) | cpu | cuda
     eval_every: int = 50              # validation every N steps (and before the first / after the last); 0 = only those
