@@ -5,9 +5,11 @@ predictions with trainer runs of three layouts.
 
 One process, one thread (as the tests' torchrun ranks): the tiny model (``+exp=tiny``: micro-batch 2 x
 128 tokens) cut into single-component stages with ``parallel.pipeline.stages.Stage``: the embedding alone,
-each layer alone, the head + MTP alone. Each is timed forward (F), input-gradient backward (B:
-``autograd.grad`` w.r.t. the stage input, graph kept) and weight-gradient backward (W: w.r.t. the
-parameters), median of ``--reps``; seconds per token per component go into the profile's ``measured``.
+each layer alone, the head + MTP alone. Its GEMM modules defer their weight gradients
+(``parallel.wgrad.apply_deferred_wgrad``), as the trainer's zero-bubble schedules do, and each component is
+timed as the pipeline executor runs it: forward (F), B (``WeightGradQueue.backward``: the stage input's and
+the non-GEMM parameters' gradients, dW GEMMs queued, graph freed) and W (``WeightGradQueue.run``: the queued
+GEMMs only), median of ``--reps``; seconds per token per component go into the profile's ``measured``.
 ``--check`` runs pp=2 DualPipe, pp=4 1F1B and pp=2 x ep=2 DualPipe with
 torchrun for ``--steps`` steps and prints predicted vs measured (median step_time_s after the first two),
 with ``os.getloadavg()`` before and after.
@@ -39,6 +41,7 @@ LAYOUTS = {
 def measure(reps: int) -> dict:
     import models
     from parallel.pipeline.stages import Stage
+    from parallel.wgrad import WeightGradQueue, apply_deferred_wgrad
     from configs.schema import compose
     torch.set_num_threads(1)
     cfg = compose(["+exp=tiny"])
@@ -50,6 +53,8 @@ def measure(reps: int) -> dict:
               "dense_layer": [], "moe_layer": []}
     for i in range(L):
         pieces["moe_layer" if m.is_moe_layer(i) else "dense_layer"].append(Stage(model, 1, 3, range(i, i + 1)))
+    queue = WeightGradQueue()
+    apply_deferred_wgrad(model, queue)
     out = {}
     for name, stages in pieces.items():
         times = {"f": [], "b": [], "w": []}
@@ -60,12 +65,11 @@ def measure(reps: int) -> dict:
                 t0 = time.perf_counter()
                 y, _ = st(x, ids, ids, 0.3)
                 t1 = time.perf_counter()
-                loss = y.sum() if y.dim() == 0 else (y * torch.ones_like(y)).sum()
-                if x is not None:
-                    torch.autograd.grad(loss, x, retain_graph=True)
+                queue.backward(r, [y], [torch.ones_like(y)], [x], params)
                 t2 = time.perf_counter()
-                torch.autograd.grad(loss, params, allow_unused=True)
+                queue.run(r)
                 t3 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
                 if r:   # the first is a warm-up
                     for k, dt in zip("fbw", (t1 - t0, t2 - t1, t3 - t2)):
                         times[k].append(dt)
