@@ -181,3 +181,22 @@ def test_reordered_receives_pair_in_issue_order(tmp_path):
     """Without strict mode's headers nothing stops the swap: the tensors are exchanged silently, as they
     would be on NCCL. (The reason the CPU tests run in strict mode.)"""
     spawn(_reordered_worker, 2, tmp_path, False)
+
+
+@pytest.mark.parametrize("wire, stream", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_a_stage_output_of_another_dtype_than_the_wire_is_an_error(wire, stream):
+    """The wire carries the residual stream's dtype (the weights'); a stage output of another dtype would be
+    cast silently (rounding an FP32 stream, or promoting the next stage's BF16 stream to FP32)."""
+    from types import SimpleNamespace
+    from parallel.pipeline.schedules.actions import Action, Payload
+    sent = []
+    ex = PipelineExecutor({}, [], SimpleNamespace(pp_rank=1, isend=lambda t, peer, what: sent.append(t)), 2, 8,
+                          wire_dtype=wire)
+    ex.state = SimpleNamespace(outputs={(3, 0): torch.zeros(2, 4, 8, dtype=stream)}, sends=[])
+    with pytest.raises(RuntimeError, match=r"pipeline rank 1: stage 0 act of micro-batch 3 is torch\.(float32|bfloat16), "
+                                           r"the wire carries"):
+        ex._send(Action(Kind.SEND, 3, 0, peer=0, payload=Payload.ACT))
+    assert not sent
+    ex.state.outputs[(3, 0)] = torch.zeros(2, 4, 8, dtype=wire)
+    ex._send(Action(Kind.SEND, 3, 0, peer=0, payload=Payload.ACT))
+    assert len(sent) == 1 and sent[0].dtype == wire

@@ -13,6 +13,7 @@ from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
 from parallel.pipeline.runner import PipelineRunner
 from parallel.recompute import apply_recompute
+from parallel.zero.master import WEIGHT_DTYPES, weights_for
 
 from .blend import BlendedBatches, blend_val_batches
 from .data import PackedBatches, load_corpus, val_batches
@@ -72,7 +73,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: 
     if dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
         n_micro = batch_size_at(t, 0) // (t.micro_batch_size * dims.dp)   # the first step's
         pipe = PipelineRunner(model, dims, cfg.parallel.schedule, n_micro, cfg.parallel.pp_layout, device,
-                              cfg.parallel.overlap)
+                              cfg.parallel.overlap, WEIGHT_DTYPES[weights_for(t.precision)])
     apply_recompute(model, t.recompute)   # train.recompute (parallel/recompute.py)
     model.train()
     return model, pipe

@@ -20,7 +20,11 @@ thread (``run_pair``), so that one micro-batch's all-to-all is in flight while t
 Otherwise a tape is one piece (its all-to-alls exchanged at once, with autograd) and an F&B runs its two
 halves one after the other: the reference the overlapped run is tested against.
 
-Shapes: activations and their gradients crossing stages are ``[micro_batch, seq, dim]`` fp32.
+Shapes: activations and their gradients crossing stages are ``[micro_batch, seq, dim]`` in ``wire_dtype``: the
+residual stream's dtype, which is the weights' (FP32, or BF16 with ``train.precision=bf16|fp8``, whose
+autocast keeps the stream BF16). A stage output of another dtype is an error, not a silent cast: a BF16
+wire would round an FP32 stream, and an FP32 one would turn the next stage's BF16 stream into FP32 (type
+promotion in the residual adds), unlike the single-device model.
 """
 from __future__ import annotations
 
@@ -57,11 +61,9 @@ class _StepState:
 
 
 class PipelineExecutor:
-    WIRE_DTYPE = torch.float32   # activations and their gradients between stages (the residual stream)
-
     def __init__(self, stages: dict[int, Stage], actions: list[Action], channels: PipeChannels, n_stages: int,
                  dim: int, device: torch.device | str = "cpu", overlap: bool = True,
-                 wgrad: WeightGradQueue | None = None):
+                 wgrad: WeightGradQueue | None = None, wire_dtype: torch.dtype = torch.float32):
         self.stages = stages                   # chunk -> Stage
         self.actions = actions
         self.p2p = channels                    # directional channels to the neighbouring pipeline ranks
@@ -73,6 +75,7 @@ class PipelineExecutor:
         self.state: _StepState | None = None   # the running step's (after it: the last step's)
         # B/W: the queue the stages' deferred modules use (``apply_deferred_wgrad``); an empty one defers nothing
         self.wgrad = wgrad if wgrad is not None else WeightGradQueue()
+        self.wire_dtype = wire_dtype   # activations and their gradients between stages (the residual stream)
 
     # ---- one optimizer step's worth of micro-batches ----------------------------------------------
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
@@ -191,12 +194,16 @@ class PipelineExecutor:
             t = self.state.outputs[(a.mb, a.stage)].detach()
         else:
             t = self.state.in_grads.pop((a.mb, a.stage))
-        t = t.to(self.WIRE_DTYPE).contiguous()
+        if t.dtype != self.wire_dtype:
+            raise RuntimeError(f"pipeline rank {self.p2p.pp_rank}: stage {a.stage} {a.payload.name.lower()} of micro-batch "
+                               f"{a.mb} is {t.dtype}, the wire carries {self.wire_dtype} (the residual stream's dtype: "
+                               "the weights' with train.precision); a cast would change the numerics")
+        t = t.contiguous()
         self.state.sends.append((self.p2p.isend(t, a.peer, (a.payload.value, a.mb, a.stage)), t))
 
     def _recv(self, a: Action) -> None:
         ids = self.state.mb[a.mb][0]
-        buf = torch.empty(ids.shape[0], ids.shape[1], self.dim, device=self.device, dtype=self.WIRE_DTYPE)
+        buf = torch.empty(ids.shape[0], ids.shape[1], self.dim, device=self.device, dtype=self.wire_dtype)
         self.state.recv[(a.payload, a.mb, a.stage)] = self.p2p.recv(buf, a.peer, (a.payload.value, a.mb, a.stage))
 
     # ---- helpers ---------------------------------------------------------------------------------

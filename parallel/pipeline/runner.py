@@ -38,7 +38,8 @@ def wgrad_queue(model: DeepSeekV3, schedule: Schedule) -> WeightGradQueue | None
 
 class PipelineRunner:
     def __init__(self, model: DeepSeekV3, dims: ParallelDims, schedule: str, n_microbatches: int,
-                 layout: list[int] | None = None, device: torch.device | str = "cpu", overlap: bool = True):
+                 layout: list[int] | None = None, device: torch.device | str = "cpu", overlap: bool = True,
+                 wire_dtype: torch.dtype = torch.float32):
         self.dims, self.cfg = dims, model.cfg
         self.schedule = get_schedule(schedule, dims.pp, n_microbatches)
         self.n_stages = self.schedule.n_stages
@@ -47,7 +48,7 @@ class PipelineRunner:
         prune_model(model, self.stages)
         self.replicas = ReplicaSync(model.cfg, self.schedule, dims, layout)
         self.p2p = PipeChannels(dims)
-        self.device, self._overlap = torch.device(device), overlap
+        self.device, self._overlap, self.wire_dtype = torch.device(device), overlap, wire_dtype
         self.n_microbatches = None
         self.set_microbatches(n_microbatches)
 
@@ -58,7 +59,7 @@ class PipelineRunner:
             return
         self.schedule = get_schedule(self.schedule.name, self.dims.pp, n)
         self.executor = PipelineExecutor(self.stages, self.schedule[self.dims.pp_rank], self.p2p, self.n_stages,
-                                         self.cfg.dim, self.device, self._overlap, self.wgrad)
+                                         self.cfg.dim, self.device, self._overlap, self.wgrad, self.wire_dtype)
         self.n_microbatches = n
 
     def forward_backward(self, micro_batches, loss_scale: float, mtp_weight: float, aux_alpha: float) -> torch.Tensor:
@@ -112,7 +113,7 @@ class PipelineRunner:
                 if rank == self.dims.pp_rank:
                     if s > 0 and owner[s - 1] != rank:
                         h = torch.empty(ids.shape[0], ids.shape[1], self.cfg.dim, device=self.device,
-                                        dtype=PipelineExecutor.WIRE_DTYPE)
+                                        dtype=self.wire_dtype)
                         self.p2p.recv(h, owner[s - 1], ("eval", i, s - 1))
                     out, parts = self.stages[holder[s]](h, ids, labels)
                     if parts is not None:
@@ -120,7 +121,7 @@ class PipelineRunner:
                     else:
                         h = out
                         if owner[s + 1] != rank:
-                            h = h.to(PipelineExecutor.WIRE_DTYPE).contiguous()
+                            h = h.to(self.wire_dtype).contiguous()
                             self.p2p.isend(h, owner[s + 1], ("eval", i, s)).wait()
         dist.all_reduce(total, group=self.dims.group("pp"))   # only the last stage's owner added to it
         return float(total) / max(len(batches), 1)
