@@ -11,7 +11,8 @@ Every converted GEMM runs in FP8 (E4M3) with FP32 accumulation promoted every 12
 - Fprop  ``y  = x·Wᵀ``   x 1×128 tiles, W 128×128 blocks;
 - Dgrad  ``dx = dy·W``   dy 1×128 tiles, W 128×128 blocks (the same quantised W, read transposed);
 - Wgrad  ``dW = dyᵀ·x``  dy and x in 128×1 tiles (along tokens).
-The forward caches its input only in FP8 (the 128×1, transposed copy Wgrad needs) plus the FP8 weight;
+The forward caches its input only in FP8 (the 128×1, transposed copy Wgrad needs) plus the FP8 weight, which
+is quantised once per step and shared by the micro-batches in flight (``WeightFP8``, ``reuse_fp8_weights``);
 master weights and gradients stay FP32. Outputs follow autocast (BF16 under ``torch.autocast``) or the
 input dtype; ``dx`` has the input's dtype, ``dW`` the weight's.
 
@@ -25,6 +26,7 @@ Backends (``kernels.get_ops``): ``triton`` (GPU, or CPU under the interpreter �
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -56,6 +58,36 @@ def _quant_weight(ops, w: torch.Tensor, pow2: bool, transpose: bool):
     return ops.quant_weight(w, pow2, transpose=True) if transpose else (*ops.quant_weight(w, pow2), None)
 
 
+class WeightFP8:
+    """One weight's FP8 copy (128×128 blocks, plus the transposed copy Dgrad reads), made once per training
+    step instead of at every micro-batch's forward, while ``active`` (``reuse_fp8_weights``: the trainer's
+    forward/backward phase). The backward saves this copy, so the micro-batches in flight share one instead of
+    each keeping its own (1 byte per weight element each). Only within that scope: weights change between
+    steps in ways a cache cannot see (ZeRO writes the gathered values through ``.data``, which bumps no version
+    counter), so inactive it quantises at every call. Inside, a changed storage or version makes a new copy."""
+
+    def __init__(self):
+        self.active, self.key, self.value = False, None, None
+
+    def get(self, ops, w: torch.Tensor, pow2: bool, transpose: bool):
+        if not self.active:
+            return _quant_weight(ops, w, pow2, transpose)
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), pow2, id(ops))
+        if key != self.key or (transpose and self.value[2] is None):
+            self.value, self.key = _quant_weight(ops, w, pow2, transpose), key
+        return self.value
+
+    def release(self) -> None:
+        self.active, self.key, self.value = False, None, None
+
+    def __deepcopy__(self, memo):   # a copied module starts without a copy, outside any scope
+        return WeightFP8()
+
+
+def _weight(cache: WeightFP8 | None, ops, w: torch.Tensor, pow2: bool, transpose: bool):
+    return _quant_weight(ops, w, pow2, transpose) if cache is None else cache.get(ops, w, pow2, transpose)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -77,11 +109,11 @@ class _FP8LinearFn(torch.autograd.Function):
     """``y = x·Wᵀ`` with Fprop, Dgrad and Wgrad in FP8; caches x only as FP8 (128×1, transposed)."""
 
     @staticmethod
-    def forward(ctx, x, weight, ops, pow2, out_dtype, grad_on, queue=None):
+    def forward(ctx, x, weight, ops, pow2, out_dtype, grad_on, queue=None, cache=None):
         with torch.autocast(x.device.type, enabled=False):
             x2 = _rows(x)
             xq, xs = ops.quant_act(x2, pow2)
-            wq, ws, wq_t = _quant_weight(ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
+            wq, ws, wq_t = _weight(cache, ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
             y = ops.gemm(xq, xs, wq, ws, _gemm_dtype(out_dtype)).to(out_dtype)
             xt = ops.quant_act_t(x2, None, pow2) if grad_on and ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*xt, wq_t, ws)
@@ -102,18 +134,18 @@ class _FP8LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dyt_q, dyt_s = ops.quant_act_t(dy2, None, pow2)
                 dw = _wgrad(ctx.queue, ctx.param, ops.gemm, dyt_q, dyt_s, xt_q, xt_s)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class _FP8GroupedLinearFn(torch.autograd.Function):
     """Per-expert ``y_e = x_e·W_eᵀ`` over rows sorted by expert; the three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None):
+    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None, cache=None):
         with torch.autocast(x.device.type, enabled=False):
             x2 = _rows(x)
             xq, xs = ops.quant_act(x2, pow2)
-            wq, ws, wq_t = _quant_weight(ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
+            wq, ws, wq_t = _weight(cache, ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
             y = ops.grouped_gemm(xq, xs, wq, ws, tokens_per_expert, _gemm_dtype(out_dtype)).to(out_dtype)
             need_xt = grad_on and ctx.needs_input_grad[1]
             xt = ops.quant_act_t(x2, tokens_per_expert, pow2) if need_xt else (None, None)
@@ -134,22 +166,25 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dyt_q, dyt_s = ops.quant_act_t(dy2, tpe, pow2)
                 dw = _wgrad(ctx.queue, ctx.param, ops.grouped_wgrad, dyt_q, dyt_s, xt_q, xt_s, tpe)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow2_scales: bool = False,
-               wgrad_queue=None):
-    """``x [..., K] · weight [N, K]ᵀ`` in FP8 (differentiable in both; Wgrad through ``wgrad_queue`` if given)."""
+               wgrad_queue=None, weight_cache: WeightFP8 | None = None):
+    """``x [..., K] · weight [N, K]ᵀ`` in FP8 (differentiable in both; Wgrad through ``wgrad_queue`` if given;
+    the weight quantised once per value with a ``weight_cache``)."""
     ops = kernels.get_ops(backend, x.device)
-    return _FP8LinearFn.apply(x, weight, ops, pow2_scales, _out_dtype(x), torch.is_grad_enabled(), wgrad_queue)
+    return _FP8LinearFn.apply(x, weight, ops, pow2_scales, _out_dtype(x), torch.is_grad_enabled(), wgrad_queue,
+                              weight_cache)
 
 
 def fp8_grouped_linear(x_RK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert: torch.Tensor,
-                       backend: str = "auto", pow2_scales: bool = False, wgrad_queue=None) -> torch.Tensor:
+                       backend: str = "auto", pow2_scales: bool = False, wgrad_queue=None,
+                       weight_cache: WeightFP8 | None = None) -> torch.Tensor:
     """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8."""
     ops = kernels.get_ops(backend, x_RK.device)
     return _FP8GroupedLinearFn.apply(x_RK, w_ENK, tokens_per_expert, ops, pow2_scales, _out_dtype(x_RK),
-                                     torch.is_grad_enabled(), wgrad_queue)
+                                     torch.is_grad_enabled(), wgrad_queue, weight_cache)
 
 
 class FP8Linear(nn.Linear):
@@ -162,6 +197,7 @@ class FP8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         kernels.resolve_backend(backend, "cpu")
         self.backend, self.pow2_scales = backend, pow2_scales
+        self.weight_fp8 = WeightFP8()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: str = "auto", pow2_scales: bool = False) -> "FP8Linear":
@@ -172,7 +208,7 @@ class FP8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.backend, self.pow2_scales, self.wgrad_queue)
+        return fp8_linear(x, self.weight, self.backend, self.pow2_scales, self.wgrad_queue, self.weight_fp8)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 backend={self.backend}, pow2_scales={self.pow2_scales}"
@@ -182,6 +218,10 @@ class FP8GroupedExperts(GroupedExperts):
     """Routed SwiGLU experts with all GEMMs in FP8; holds the original stacked parameters."""
 
     wgrad_queue = None     # a parallel.wgrad.WeightGradQueue, set by apply_deferred_wgrad (or copied below)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_fp8 = {k: WeightFP8() for k in ("w1", "w2", "w3")}
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, backend: str = "auto", pow2_scales: bool = False):
@@ -199,8 +239,10 @@ class FP8GroupedExperts(GroupedExperts):
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         args = (tokens_per_expert, self.backend, self.pow2_scales, self.wgrad_queue)
-        h_RF = self.act(fp8_grouped_linear(x_RD, self.w1, *args), fp8_grouped_linear(x_RD, self.w3, *args))
-        return fp8_grouped_linear(h_RF, self.w2, *args)
+        c = self.weight_fp8
+        h_RF = self.act(fp8_grouped_linear(x_RD, self.w1, *args, c["w1"]),
+                        fp8_grouped_linear(x_RD, self.w3, *args, c["w3"]))
+        return fp8_grouped_linear(h_RF, self.w2, *args, c["w2"])
 
     def extra_repr(self) -> str:
         return f"fp8 backend={self.backend}, pow2_scales={self.pow2_scales}"
@@ -257,6 +299,30 @@ def fp8_swiglus(model: nn.Module) -> dict[int, nn.Module]:
         if isinstance(getattr(shared, "w1", None), FP8Linear):
             out[id(shared.act)] = shared.w1
     return out
+
+
+def _weight_caches(model: nn.Module) -> list[WeightFP8]:
+    out = []
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            out.append(m.weight_fp8)
+        elif isinstance(m, FP8GroupedExperts):
+            out += m.weight_fp8.values()
+    return out
+
+
+@contextlib.contextmanager
+def reuse_fp8_weights(model: nn.Module):
+    """Within: every FP8 module of ``model`` quantises each weight once (``WeightFP8``); on exit the copies are
+    dropped (the backward keeps what it saved). Wrap one step's forwards and backwards, not the weight update."""
+    caches = _weight_caches(model)
+    for c in caches:
+        c.active = True
+    try:
+        yield
+    finally:
+        for c in caches:
+            c.release()
 
 
 def apply_fp8(model: nn.Module, backend: str = "auto", pow2_scales: bool = False) -> list[str]:

@@ -11,6 +11,7 @@ from configs.schema import Config
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
+from parallel.fp8 import reuse_fp8_weights
 from parallel.zero import NonFiniteGradients, build_optimizer, weights_for
 
 from . import run_state
@@ -242,7 +243,7 @@ class Trainer:
         input_ids, labels = map(self._to_device, self.batches.next_batch(gbs))   # this dp rank's share
         micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
         n_micro = len(micro)
-        with self.phase("forward/backward"):
+        with self.phase("forward/backward"), reuse_fp8_weights(self.model):   # FP8: weights quantised once
             if self.pipe is not None:
                 self.pipe.set_microbatches(n_micro)
                 with self.autocast:
