@@ -22,8 +22,11 @@ Modes:
   the block input, the residual after attention, the FFN-norm output (gate and shared experts), the gate's
   and balance loss's tensors, the dispatched token copies and the combine's (expert outputs, gate weights).
   Not regions: ``MoE.gate`` (its scores are kept by the balance loss anyway), ``MoE.balance`` (counts the
-  load: a side effect), ``MoE.post_combine`` (as a region it would also keep the combine output); joining
-  ``ffn_norm`` to ``attention`` would need one method returning both (it would save D*a more).
+  load: a side effect), ``MoE.post_combine`` (as a region it would also keep the combine output). Joining
+  ``ffn_norm`` to ``attention`` (one region returning both) would drop the residual after attention from
+  the saved tensors, but the overlapped F&B's tape carries that residual across the dispatch and combine
+  cuts anyway, so on the pipeline path that matters it would free nothing (measured: the saved bytes fell
+  by D*a per MoE layer, the live bytes did not).
   The final norm, head, loss and MTP's projection are not recomputed (MTP's block is, like any block).
 
 No region contains a collective: regions are module calls between the expert all-to-alls, so the same

@@ -25,8 +25,31 @@ Deferred weight gradients (schedules with B/W, ``parallel/wgrad.py``): the route
 Recomputation holds one layer's recomputed tensors at a time in backward, counted once per rank: selective
 the bytes a layer drops, full a whole dense layer, or the largest region of a MoE layer (attention, the
 routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
-Checked against the bytes autograd saves on CPU (``tests/test_size.py``, ``tests/test_recompute.py``) and
-against a DualPipe run's measured peak (``bench/recompute_memory.py``).
+FP8 (``train.precision=fp8``, ``parallel/fp8.py``, ``fp8=True``): an FP8 linear or expert GEMM saves its input only
+as its own FP8 copy, c(n) = n + n/32 per token (E4M3 and an FP32 scale per 128 tokens of each feature), each
+linear separately (wq_a or wq and wkv_a: 2*c(D); w1 and w3: 2*c(D), K*2*c(D) for the routed experts). The
+head, the gate and MTP's eh_proj are not FP8: their inputs, and the norms before them, are as above.
+  none      attention: norm(D) -> D*f + D*a + 2*c(D), norm(q_lora) -> q_lora*(f + a) + c(q_lora), likewise
+            kv_lora; core: the output's reshaped copy (wo's input) c(H*d_v) instead of H*d_v*a
+            dense FFN = D*f + D*a + 2*c(D) + 3*I*a + c(I)   (w1/w3's copies, gate, SiLU, up, w2's copy)
+            MoE: routed experts K*D*a + 2*K*c(D) + 3*K*F*a + K*c(F) (the returned copy; the dispatched one is kept
+            only as w1/w3's copies), shared experts 2*c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
+  selective snorm = D*a + 2*c(D) (attention, dense FFN; the MoE norm's stays 2*D*a); core as none; dense FFN =
+            snorm + 2*I*a + c(I); a MoE SwiGLU keeps h1, h3 as FP8 (``FP8CachedSwiGLU``, 1x128 tiles along the
+            features): s8(n) = 2*(n + 4*ceil(n/128)); routed experts K*D*a + 2*K*c(D) + K*s8(F) + K*c(F), shared
+            experts 2*c(D) + s8(F_s) + c(F_s)
+  full      the layers keep what they keep without FP8 (region inputs); the regions recompute the FP8 layers
+            above: routed experts 2*K*c(D) + 3*K*F*a + K*c(F), shared experts 2*c(D) + 3*F_s*a + c(F_s)
+  B/W       FP8 experts keep their class under ``parallel.wgrad`` (no deferred-experts saving);
+            ``experts_backward`` keeps the bound above
+  Not modelled per token: the FP8 weight copies backward keeps (1 byte per weight element plus 128x128 block
+  scales, per weight and shared by the micro-batches in flight, ``WeightFP8``), and the routed experts'
+  tile padding: their copies are in 128-row tiles restarting at each of the E_loc local experts,
+  (ceil(R_e/128) + E_loc - 1)*128 rows for R_e routed rows, so a MoE layer keeps (2*D + F)*(1 + 4/128) *
+  ((ceil(R_e/128) + E_loc - 1)*128 - R_e) bytes more per micro-batch: ~1 % of the experts' copies at V3's
+  4 local experts and 32768 rows, but 3.5x them on the tiny model's 128-token micro-batch.
+Checked against the bytes autograd saves on CPU (``tests/test_size.py``, ``tests/test_recompute.py``,
+``tests/test_size_fp8.py``) and against a DualPipe run's measured peak (``bench/recompute_memory.py``).
 """
 from __future__ import annotations
 
@@ -38,45 +61,56 @@ FLOOR = "floor"
 
 
 def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False,
-                               recompute: str = "none", deferred: bool = False) -> dict:
+                               recompute: str = "none", deferred: bool = False, fp8: bool = False) -> dict:
     """Saved-for-backward bytes per token under ``recompute``: ``dense_layer``, ``moe_layer``, ``head`` (one
     use), ``mtp`` (one depth, its head use included), and ``dense_region`` / ``moe_region``: the most that
     one layer's recomputation holds at once in backward (0 without recompute). ``math_attention``: the
     attention core of PyTorch's math SDPA (CPU), which keeps the probabilities (H*T*f), instead of a flash
     kernel's. ``deferred``: the routed experts are ``parallel.wgrad``'s (schedules with B/W actions), which save
     x, h1 and h3 only (2*K*F*a of SwiGLU in none and selective) and hold s1, da, dh1, dh3 and the product
-    (5*K*F*a, ``experts_backward``) at once in their backward. The formulas are in the module doc."""
+    (5*K*F*a, ``experts_backward``) at once in their backward. ``fp8``: ``train.precision=fp8``'s FP8 linears
+    and experts (``parallel/fp8.py``), whose inputs are saved as FP8 copies. The formulas are in the module doc."""
     f = 4
     D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
     K, F, E, I = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts, m.inter_dim
     Fs = F * m.n_shared_experts
+    # an input saved by one linear (x1) or by two (x2: w1 and w3, wq_a and wkv_a): one copy in the activation
+    # dtype, or under fp8 each linear's own FP8 copy c(n); h: a MoE SwiGLU's h1 and h3 under selective
+    act = lambda n: n * a                       # noqa: E731
+    c = lambda n: n + n / 32                    # noqa: E731  E4M3, an FP32 scale per 128 tokens
+    x1, x2 = (c, lambda n: 2 * c(n)) if fp8 else (act, act)
+    h = (lambda n: 2 * (n - 4 * (-n // 128))) if fp8 and recompute == "selective" else (lambda n: 2 * n * a)
+    shared_in = 2 * c(D) if fp8 and Fs else 0  # the shared experts' w1, w3 copies (else the gate's input)
 
-    def norm(n: int) -> int:
-        return n * f + 2 * n * a
+    def norm(n: int, saved_by=act) -> int:     # fp32 copy, normalised, the next linear(s)' input
+        return n * f + n * a + saved_by(n)
 
-    core = ((2 * H * qk + 2 * H * V) * a + H * seq_len * f if math_attention
-            else (2 * H * qk + H * (N + V) + 2 * H * V) * a + H * f)
+    core = ((2 * H * qk + H * V) * a + x1(H * V) + H * seq_len * f if math_attention
+            else (2 * H * qk + H * (N + V) + H * V) * a + x1(H * V) + H * f)
     route = E * f + 2 * K * f + 16 * K
-    experts = 2 * K * D * a + 4 * K * F * a
-    attn = norm(D) + (norm(Q) if Q else 0) + norm(L) + R * a + core
-    moe, dense, head = norm(D) + route + experts + 4 * Fs * a, norm(D) + 4 * I * a, norm(D) + m.vocab_size * f
+    experts, shared = K * D * a + K * x2(D) + 3 * K * F * a + K * x1(F), shared_in + 3 * Fs * a + x1(Fs)
+    attn = norm(D, x2) + (norm(Q, x1) if Q else 0) + norm(L, x1) + R * a + core
+    moe, dense, head = norm(D) + route + experts + shared, norm(D, x2) + 3 * I * a + x1(I), norm(D) + m.vocab_size * f
     out = {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
            "mtp": 2 * norm(D) + 2 * D * a + attn + moe + head, "dense_region": 0, "moe_region": 0}
     if recompute == "selective":
-        snorm = 2 * D * a
+        snorm = D * a + x2(D)
         s_attn = snorm + (Q or H * qk) * a + (L + R) * a + core
-        s_moe, s_head = snorm + route + 2 * K * D * a + 3 * K * F * a + 3 * Fs * a, snorm + m.vocab_size * f
-        sel = {"dense_layer": s_attn + snorm + 3 * I * a, "moe_layer": s_attn + s_moe, "head": s_head,
+        s_shared = shared_in + h(Fs) + x1(Fs)
+        s_moe = 2 * D * a + route + K * D * a + K * x2(D) + K * h(F) + K * x1(F) + s_shared
+        s_head = 2 * D * a + m.vocab_size * f
+        sel = {"dense_layer": s_attn + snorm + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
                "mtp": 3 * D * a + s_attn + s_moe + s_head}
         out.update(sel, dense_region=out["dense_layer"] - sel["dense_layer"],
                    moe_region=out["moe_layer"] - sel["moe_layer"])
     elif recompute == "full":
         f_moe = 3 * D * a + route + 2 * K * D * a
+        routed_region = (K * x2(D) if fp8 else 0) + 3 * K * F * a + K * x1(F)   # FP8: x's copies too
         out.update(dense_layer=D * a, moe_layer=f_moe, mtp=2 * norm(D) + 2 * D * a + f_moe + head,
-                   dense_region=attn + dense, moe_region=max(attn, 4 * K * F * a, 4 * Fs * a))
+                   dense_region=attn + dense, moe_region=max(attn, routed_region, shared))
     if deferred:
-        if recompute != "full":
+        if recompute != "full" and not fp8:   # FP8 experts keep their class (and what they save)
             fewer = (4 if recompute == "none" else 3) * K * F * a - 2 * K * F * a
             out.update(moe_layer=out["moe_layer"] - fewer, mtp=out["mtp"] - fewer)
         # the experts' backward: s1, da, dh1, dh3, the product at once (after recomputing x, h1, h3 under full)
@@ -115,12 +149,12 @@ def stage_wgrad_held(m: ModelConfig, split: list[range], a: int, tokens: int) ->
 
 def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int, recompute: str,
                       seq_len: int = 0, math_attention: bool = False, deferred: bool = False,
-                      expert_dw: float = 0.0) -> list[tuple[float, float]]:
+                      expert_dw: float = 0.0, fp8: bool = False) -> list[tuple[float, float]]:
     """Per stage: (bytes saved per micro-batch, the most one layer's backward holds at once beyond them:
     recomputed tensors, or the deferred experts' backward, whose full backward (BW, F&B) also returns
-    the three weight gradients of the local experts together, ``expert_dw`` bytes)."""
+    the three weight gradients of the local experts together, ``expert_dw`` bytes); ``fp8``: FP8 layers."""
     per_tok = activation_bytes_per_token(m, a, seq_len, math_attention, "none" if recompute == FLOOR else recompute,
-                                         deferred)
+                                         deferred, fp8)
     out = []
     for s, layers in enumerate(split):
         kinds = ["moe" if m.is_moe_layer(i) else "dense" for i in layers]

@@ -37,8 +37,10 @@ A stage's activations per micro-batch are micro_batch_size x seq_len tokens time
 layers (+ the head and MTP on the last stage). The peak per rank walks the schedule's action list
 through ``parallel.pipeline.simulator.peak_live`` (an activation lives from its F to the end of its backward),
 weighting each live activation by its stage's size; without a pipeline one micro-batch is live.
-Not modelled: temporary buffers (all-to-all, logits before the loss), FP8 caches, autocast's weight copies
-and the gate's fp32 input copy under bf16, fragmentation; the headroom stands for them.
+With ``--recipe trainer train.precision=fp8`` the FP8 layers' inputs are counted as their FP8 copies.
+Not modelled: temporary buffers (all-to-all, logits before the loss), the FP8 weight copies and expert tile
+padding (``tools/activations.py``), autocast's weight copies and the gate's fp32 input copy under bf16,
+fragmentation; the headroom stands for them.
 """
 from __future__ import annotations
 
@@ -228,13 +230,15 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     w_b, m_b = recipe_bytes(cfg, recipe)
     parts = model_parts(model if model is not None else models.build(m, "meta"))
     a = 2 if recipe == "v3" or t.precision != "fp32" else 4
+    fp8 = recipe == "trainer" and t.precision == "fp8"   # FP8 layers cache their inputs in FP8
     notes = []
     n_micro, schedule, sim = _pipeline(p, max(1, t.global_batch_size // (t.micro_batch_size * dims.dp)), notes)
     split = split_layers(m.n_layers, n_stages(p.schedule, p.pp), p.pp_layout)
     tokens = t.micro_batch_size * cfg.data.seq_len
     deferred = schedule is not None and schedule.splits_backward   # the runner's wgrad_queue rule
     expert_dw = 3 * m.n_routed_experts // p.ep * m.moe_inter_dim * m.dim * a   # dW1, dW2, dW3 of the local experts
-    acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention, deferred, expert_dw)
+    acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention, deferred, expert_dw,
+                             fp8)
     # held from B to W where the schedule splits them; FLOOR (tools.plan's lower bound for V3) leaves it out
     wgrad = stage_wgrad_held(m, split, a, tokens) if recompute != FLOOR else [0.0] * len(split)
     ranks = []
@@ -273,6 +277,7 @@ def report(cfg: Config, plan: Plan, flops, gpu_mem_gb: float, headroom: float) -
     w_b, g_b, o_b = per["params"], per["grads"], per["master"] + per["optim"]
     chunks = len(get_schedule(plan.schedule, plan.pp).stages_of(0)) if plan.pp > 1 else 1
     per_stage = f"{chunks} stage{'s' if chunks > 1 else ''}/rank"
+    fp8_caches = " (FP8 caches)" if plan.recipe == "trainer" and cfg.train.precision == "fp8" else ""
     zero = {0: "no ZeRO", 1: "ZeRO-1 (optimizer / dp, experts' / edp)", 2: "ZeRO-2 (optimizer and grads / dp, "
             "experts' / edp)"}[plan.zero]
     lines = [
@@ -283,7 +288,7 @@ def report(cfg: Config, plan: Plan, flops, gpu_mem_gb: float, headroom: float) -
         f"{cfg.parallel.ranks_per_node} ranks/node; schedule {plan.schedule}"
         + (f" ({per_stage})" if plan.pp > 1 else "") + f"; {zero}",
         f"recipe {plan.recipe}: weights {w_b} B, grads {g_b} B, optimizer {o_b} B per parameter; activations "
-        f"{'bf16' if plan.act_bytes == 2 else 'fp32'}, recompute {plan.recompute}; micro-batch "
+        f"{'bf16' if plan.act_bytes == 2 else 'fp32'}{fp8_caches}, recompute {plan.recompute}; micro-batch "
         f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} = {plan.tokens_per_microbatch} tokens, "
         f"{plan.n_microbatches} micro-batches per step",
     ]
