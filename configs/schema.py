@@ -98,7 +98,7 @@ class TrainConfig:
     global_batch_size: int = 16       # sequences per optimizer step (over all data-parallel ranks)
     micro_batch_size: int = 8         # sequences per forward/backward on one rank
     precision: str = "fp32"           # fp32 | bf16 (BF16 weights, FP32 master + grads in the optimizer) | fp8 (bf16 + FP8 linears/experts)
-    # Activation recomputation (parallel/recompute.py): none | selective (V3's set: RMSNorm, MLA up-projections,
+    # Activation recomputation (parallel/recompute.py): none | selective (V3's set: RMSNorm, MLA up-projections + attention,
     # SwiGLU; recomputed in backward from their inputs, MoE SwiGLU inputs kept in FP8 with precision=fp8) | full (each
     # dense layer; a MoE layer's compute between its all-to-alls)
     recompute: str = "none"

@@ -2,8 +2,9 @@
 
 Queries: optionally low-rank (``q_lora_rank``): D -> q_lora (RMSNorm) -> H*(nope+rope).
 Keys/values: D -> kv_lora (RMSNorm) -> H*(nope+v), plus one shared rope key of R dims per token.
-The two up-projection paths are methods (``q_up``, ``kv_up``: latent -> the attention core's inputs), so
-that a transform can recompute them in backward (``parallel/recompute.py``).
+The two up-projection paths are methods (``q_up``, ``kv_up``: latent -> the attention core's inputs), and
+``core`` runs them and the attention from the latents to wo's input, so that a transform can recompute them
+in backward (``parallel/recompute.py``).
 Shape legend: B batch, T sequence, D hidden, H heads, R rope dim, N nope dim, V value dim, L latent rank,
 C a projection's output (latent, or latent + rope).
 """
@@ -39,11 +40,17 @@ class MLA(nn.Module):
             self.softmax_scale *= yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim) ** 2
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        q_BHTQ = self.q_up(self.wq(x_BTD) if hasattr(self, "wq") else self.wq_a(x_BTD), rope)
-        k_BHTQ, v_BHTV = self.kv_up(self.wkv_a(x_BTD), rope)
+        q_BTC = self.wq(x_BTD) if hasattr(self, "wq") else self.wq_a(x_BTD)
+        return self.wo(self.core(q_BTC, self.wkv_a(x_BTD), rope))
+
+    def core(self, q_BTC: torch.Tensor, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention from the latents (wq_a's or wq's output, wkv_a's): the up-projections, rope and causal
+        scaled-dot-product attention; returns wo's input ``[B, T, H*V]``."""
+        B, T, _ = q_BTC.shape
+        q_BHTQ = self.q_up(q_BTC, rope)
+        k_BHTQ, v_BHTV = self.kv_up(kv_BTC, rope)
         o = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True, scale=self.softmax_scale)
-        return self.wo(o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+        return o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)
 
     def q_up(self, q_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Queries ``[B,H,T,N+R]`` for the attention core from the query latent (q_norm, then the wq_b

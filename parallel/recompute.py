@@ -5,11 +5,13 @@ a built model keep only their inputs for backward and run again there (non-reent
 Modes:
 - ``none``: autograd keeps everything it saves.
 - ``selective`` (DeepSeek-V3's set, report §3.2.2 / §3.3): every RMSNorm outside MLA (attention / FFN
-  norms, the final and the MTP norms) keeps only its input; MLA's up-projection paths ``MLA.q_up`` (q_norm,
-  wq_b, rope) and ``MLA.kv_up`` (kv_norm, wkv_b, rope of the shared key) keep only the latent they start
-  from; every ``SwiGLU`` product (dense MLPs, shared experts) keeps only ``h1, h3``. The outputs of these
-  regions are still kept by whatever consumes them: the attention core keeps q, k, v (v holds wkv_b's
-  output); a norm's output is kept by the next linear, as an FP8 copy when that linear is FP8
+  norms, the final and the MTP norms) keeps only its input; ``MLA.core`` -- the up-projection paths (q_norm,
+  wq_b, kv_norm, wkv_b, rope) and the attention they feed -- keeps only the latents it starts from (the
+  query latent, or wq's output without q_lora, and wkv_a's output): V3 stores no up-projection output, and
+  as the attention's backward needs q, k, v, the region takes the attention in too, which runs its forward
+  again in backward (V3's fused kernels avoid that); every ``SwiGLU`` product (dense MLPs, shared experts)
+  keeps only ``h1, h3``. The outputs of these regions are still kept by whatever consumes them: the
+  attention's by wo; a norm's output is kept by the next linear, as an FP8 copy when that linear is FP8
   (``train.precision=fp8``, ``parallel/fp8.py``) -- V3's layout -- else in the activation dtype; the SwiGLU
   product by w2 likewise. The routed experts' SwiGLU (``GroupedExperts.act``) is covered too. With FP8
   experts (``train.precision=fp8``) a MoE layer's SwiGLUs -- routed and shared experts -- keep ``h1, h3`` as
@@ -89,7 +91,7 @@ def _selective(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
     out = []
     for m in model.modules():
         if isinstance(m, MLA):
-            out.append((m, ("q_up", "kv_up")))
+            out.append((m, ("core",)))
         elif isinstance(m, RMSNorm) and id(m) not in in_mla:
             out.append((m, ("forward",)))
         elif isinstance(m, SwiGLU):

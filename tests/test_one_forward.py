@@ -51,7 +51,7 @@ def _model_functions() -> tuple[set[str], set[str]]:
                 functions.add(node.name)
             elif isinstance(node, ast.ClassDef):
                 methods.update(f.name for f in node.body if isinstance(f, ast.FunctionDef)
-                               and f.name in ("attention", "balance", "post_combine", "q_up", "kv_up"))
+                               and f.name in ("attention", "balance", "post_combine", "q_up", "kv_up", "core"))
     return functions - ALLOWED, methods
 
 

@@ -82,10 +82,10 @@ def test_losses_and_gradients_are_bitwise_identical(autocast):
 def test_regions_of_each_mode():
     cfg = model_preset("tiny")   # layer 0 dense, 1-3 MoE, one MTP (MoE) block
     sel = apply_recompute(models.build(cfg, "meta"), "selective")
-    assert {"layers.0.attn_norm.forward", "layers.0.attn.q_up", "layers.0.attn.kv_up", "layers.0.ffn.act.forward",
+    assert {"layers.0.attn_norm.forward", "layers.0.attn.core", "layers.0.ffn.act.forward",
             "layers.2.ffn.shared_experts.act.forward", "layers.2.ffn.experts.act.forward", "norm.forward", "mtp.0.enorm.forward",
-            "mtp.0.block.attn.kv_up"} <= set(sel)
-    assert not any("q_norm" in n or "kv_norm" in n or "experts.forward" in n for n in sel)   # inside q_up/kv_up
+            "mtp.0.block.attn.core"} <= set(sel)
+    assert not any("q_norm" in n or "kv_norm" in n or "_up" in n or "experts.forward" in n for n in sel)   # in core
     full = apply_recompute(models.build(cfg, "meta"), "full")
     assert "layers.0.forward" in full and "layers.1.forward" not in full        # a MoE block is not one region
     assert {"layers.1.attention", "layers.1.ffn_norm.forward",
@@ -161,7 +161,8 @@ def test_b_w_split_recomputes_in_b_and_again_in_w(monkeypatch):
         counts[split] = {n: calls.count(n) for n in set(calls)}
         for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
-    # 2 layers: 2 MLA (q_up), 4 norms (attn_norm, ffn_norm), the dense layer's, the shared and the routed SwiGLU
+    # 2 layers: 2 MLA (q_up, inside core), 4 norms (attn_norm, ffn_norm), the dense layer's, the shared and the
+    # routed SwiGLU
     assert counts[False] == {"MLA.q_up": 2, "RMSNorm.forward": 4 + 4, "SwiGLU.forward": 3}   # q_norm, kv_norm inside
     assert counts[True] == {k: 2 * v for k, v in counts[False].items()}
 

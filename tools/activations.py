@@ -11,8 +11,9 @@
                         SwiGLU of K experts and of the shared experts)
             head use  = norm(D) + V*f     (fp32 log-softmax of the logits)
             MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
-  selective a norm keeps its input and the next linear its output: snorm = 2*D*a; the up-projections keep
-            their latents: attention = snorm + q_lora*a (H*d_qk*a without q_lora) + (kv_lora + R)*a + core;
+  selective a norm keeps its input and the next linear its output: snorm = 2*D*a; ``MLA.core`` (the
+            up-projections and the attention) keeps its latents and wo its output: attention = snorm +
+            q_lora*a (H*d_qk*a without q_lora) + (kv_lora + R)*a + H*d_v*a;
             a SwiGLU keeps h1, h3 and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a,
             routed experts 2*K*D*a + 3*K*F*a; head use = snorm + V*f; MTP's norms: 3*D*a instead of 2*norm(D) + 2*D*a
   full      dense layer = D*a (its input); MoE layer = 3*D*a + route + 2*K*D*a (block input, residual after
@@ -34,7 +35,7 @@ head, the gate and MTP's eh_proj are not FP8: their inputs, and the norms before
             dense FFN = D*f + D*a + 2*c(D) + 3*I*a + c(I)   (w1/w3's copies, gate, SiLU, up, w2's copy)
             MoE: routed experts K*D*a + 2*K*c(D) + 3*K*F*a + K*c(F) (the returned copy; the dispatched one is kept
             only as w1/w3's copies), shared experts 2*c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
-  selective snorm = D*a + 2*c(D) (attention, dense FFN; the MoE norm's stays 2*D*a); core as none; dense FFN =
+  selective snorm = D*a + 2*c(D) (attention, dense FFN; the MoE norm's stays 2*D*a); wo keeps c(H*d_v); dense FFN =
             snorm + 2*I*a + c(I); a MoE SwiGLU keeps h1, h3 as FP8 (``FP8CachedSwiGLU``, 1x128 tiles along the
             features): s8(n) = 2*(n + 4*ceil(n/128)); routed experts K*D*a + 2*K*c(D) + K*s8(F) + K*c(F), shared
             experts 2*c(D) + s8(F_s) + c(F_s)
@@ -96,7 +97,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
            "mtp": 2 * norm(D) + 2 * D * a + attn + moe + head, "dense_region": 0, "moe_region": 0}
     if recompute == "selective":
         snorm = D * a + x2(D)
-        s_attn = snorm + (Q or H * qk) * a + (L + R) * a + core
+        s_attn = snorm + (Q or H * qk) * a + (L + R) * a + x1(H * V)   # MLA.core's latents, wo's input
         s_shared = shared_in + h(Fs) + x1(Fs)
         s_moe = 2 * D * a + route + K * D * a + K * x2(D) + K * h(F) + K * x1(F) + s_shared
         s_head = 2 * D * a + m.vocab_size * f
