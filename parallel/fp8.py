@@ -141,14 +141,18 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
     """Per-expert ``y_e = x_e·W_eᵀ`` over rows sorted by expert; the three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None, cache=None):
+    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None, cache=None,
+                x_fp8=None):
         with torch.autocast(x.device.type, enabled=False):
-            x2 = _rows(x)
-            xq, xs = ops.quant_act(x2, pow2)
+            need_xt = grad_on and ctx.needs_input_grad[1]
+            if x_fp8 is None:
+                x_fp8 = _quant_rows(ops, x, tokens_per_expert, pow2, need_xt)
+            xq, xs, *xt = x_fp8   # given: the copies another GEMM of the same x made (``FP8GroupedExperts``)
+            if need_xt and xt[0] is None:
+                raise ValueError("fp8_grouped_linear: x_fp8 has no transposed copy, and Wgrad needs one")
             wq, ws, wq_t = _weight(cache, ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
             y = ops.grouped_gemm(xq, xs, wq, ws, tokens_per_expert, _gemm_dtype(out_dtype)).to(out_dtype)
-            need_xt = grad_on and ctx.needs_input_grad[1]
-            xt = ops.quant_act_t(x2, tokens_per_expert, pow2) if need_xt else (None, None)
+            xt = xt if need_xt else (None, None)
         ctx.save_for_backward(*xt, wq_t, ws, tokens_per_expert)
         ctx.ops, ctx.pow2, ctx.x_dtype, ctx.queue, ctx.param = ops, pow2, x.dtype, queue, weight
         return y
@@ -166,7 +170,7 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dyt_q, dyt_s = ops.quant_act_t(dy2, tpe, pow2)
                 dw = _wgrad(ctx.queue, ctx.param, ops.grouped_wgrad, dyt_q, dyt_s, xt_q, xt_s, tpe)
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow2_scales: bool = False,
@@ -180,11 +184,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow
 
 def fp8_grouped_linear(x_RK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert: torch.Tensor,
                        backend: str = "auto", pow2_scales: bool = False, wgrad_queue=None,
-                       weight_cache: WeightFP8 | None = None) -> torch.Tensor:
-    """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8."""
+                       weight_cache: WeightFP8 | None = None, x_fp8: tuple | None = None) -> torch.Tensor:
+    """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8. ``x_fp8``: ``x_RK``'s FP8
+    copies already made (``_quant_rows``), so that two GEMMs of one input quantise it once and keep one copy."""
     ops = kernels.get_ops(backend, x_RK.device)
     return _FP8GroupedLinearFn.apply(x_RK, w_ENK, tokens_per_expert, ops, pow2_scales, _out_dtype(x_RK),
-                                     torch.is_grad_enabled(), wgrad_queue, weight_cache)
+                                     torch.is_grad_enabled(), wgrad_queue, weight_cache, x_fp8)
+
+
+def _quant_rows(ops, x: torch.Tensor, tokens_per_expert: torch.Tensor, pow2: bool, transposed: bool) -> tuple:
+    """``(q, s, q_t, s_t)`` of rows ``x``: the 1×128 copy Fprop reads and, if ``transposed``, the 128×1 one
+    (tiles per expert) Wgrad reads (else None, None)."""
+    with torch.autocast(x.device.type, enabled=False), torch.no_grad():   # no graph: outside a Function
+        x2 = _rows(x)
+        return (*ops.quant_act(x2, pow2),
+                *(ops.quant_act_t(x2, tokens_per_expert, pow2) if transposed else (None, None)))
 
 
 class FP8Linear(nn.Linear):
@@ -238,10 +252,13 @@ class FP8GroupedExperts(GroupedExperts):
         return new
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """w1 and w3 read one FP8 copy of ``x_RD`` (quantised once, kept once for their Wgrads)."""
         args = (tokens_per_expert, self.backend, self.pow2_scales, self.wgrad_queue)
         c = self.weight_fp8
-        h_RF = self.act(fp8_grouped_linear(x_RD, self.w1, *args, c["w1"]),
-                        fp8_grouped_linear(x_RD, self.w3, *args, c["w3"]))
+        wgrad = torch.is_grad_enabled() and (self.w1.requires_grad or self.w3.requires_grad)
+        x8 = _quant_rows(kernels.get_ops(self.backend, x_RD.device), x_RD, tokens_per_expert, self.pow2_scales, wgrad)
+        h_RF = self.act(fp8_grouped_linear(x_RD, self.w1, *args, c["w1"], x8),
+                        fp8_grouped_linear(x_RD, self.w3, *args, c["w3"], x8))
         return fp8_grouped_linear(h_RF, self.w2, *args, c["w2"])
 
     def extra_repr(self) -> str:

@@ -92,3 +92,35 @@ def test_grouped_experts_and_copies(count_quant):
     assert all(c.value is None for c in experts.weight_fp8.values())
     plain = [twin["experts"](x.detach().requires_grad_(), tpe) for x in xs]
     assert all(torch.equal(a, b) for a, b in zip(ys, plain))
+
+
+def test_experts_quantise_their_input_once_for_w1_and_w3(monkeypatch):
+    """``FP8GroupedExperts``: w1 and w3 read one FP8 copy of the dispatched rows (one Wgrad copy kept, not
+    two); bit-identical to quantising it for each GEMM."""
+    from parallel.fp8 import fp8_grouped_linear
+    calls = []
+    real = reference.quant_act_t
+    monkeypatch.setattr(reference, "quant_act_t", lambda x, tpe=None, pow2=False: calls.append(x.shape) or real(x, tpe, pow2))
+    experts = FP8GroupedExperts.from_experts(GroupedExperts(4, 128, 256), backend="emulation")
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w, std=0.02)
+    tpe = torch.tensor([40, 0, 100, 60])
+    x = torch.randn(200, 128, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = experts(x, tpe)
+    assert calls == [(200, 128), (200, 256)]          # x once (w1 and w3), the product once (w2)
+    x_copies = {t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.float8_e4m3fn and t.shape[0] == 128}
+    assert len(x_copies) == 1
+    y.square().sum().backward()
+    ref_x = x.detach().requires_grad_()
+    args = (tpe, "emulation")
+    h = experts.act(fp8_grouped_linear(ref_x, experts.w1, *args), fp8_grouped_linear(ref_x, experts.w3, *args))
+    want = fp8_grouped_linear(h, experts.w2, *args)
+    grads = [x.grad] + [w.grad.clone() for w in (experts.w1, experts.w2, experts.w3)]
+    for w in (experts.w1, experts.w2, experts.w3):
+        w.grad = None
+    want.square().sum().backward()
+    assert torch.equal(y, want)
+    for got, ref in zip(grads, [ref_x.grad] + [w.grad for w in (experts.w1, experts.w2, experts.w3)]):
+        assert torch.equal(got, ref)

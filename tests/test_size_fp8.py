@@ -69,16 +69,16 @@ def tile_padding(cfg, tokens: int) -> float:
     tiles restart at each local expert (``tools/activations.py``, not modelled per token)."""
     R = tokens * cfg.n_activated_experts
     rows = 128 * (-(-R // 128) + cfg.n_routed_experts - 1)
-    return (2 * cfg.dim + cfg.moe_inter_dim) * (1 + 4 / 128) * (rows - R)
+    return (cfg.dim + cfg.moe_inter_dim) * (1 + 4 / 128) * (rows - R)   # w1/w3's shared copy of x, w2's of h
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fp8_estimate_matches_saved_tensors_on_tiny(mode, monkeypatch):
     """fp8=True vs the bytes autograd saves (BF16 autocast, CPU math attention, 128 tokens), per token:
-    measured 64925.7 / 51310.2 / 19982.7 (none / selective / full), estimated 60409.3 / 46314.3 / 20544.0
-    with the experts' tile padding (9250.3 per token in none and selective, ~3.5x the experts' per-token
-    FP8 copies at 128 tokens): -7.0 %, -9.7 %, +2.8 %. (BF16 without FP8: 57725.2 / 45080.6 / 19982.7 measured,
-    52192 / 39072 / 20544 estimated; most of the shortfall in both is the math SDPA's FP32 q, k, v on CPU.)"""
+    measured 60173.7 / 31262.0 / 21002.7 (none / selective / full), estimated 55653.2 / 31318.2 / 20544.0
+    with the experts' tile padding (5550.2 per token in none and selective, ~3.5x the experts' per-token
+    FP8 copies at 128 tokens): -7.5 %, +0.2 %, -2.2 %. (BF16 without FP8: 57725.2 / 29784.4 / 21002.7 measured,
+    52192 / 28832 / 20544 estimated; most of the shortfall in none is the math SDPA's FP32 q, k, v on CPU.)"""
     cfg = model_preset("tiny")
     measured = saved_bytes_per_token(tiny(mode, fp8=True), monkeypatch)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))

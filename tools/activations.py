@@ -28,19 +28,20 @@ the bytes a layer drops, full a whole dense layer, or the largest region of a Mo
 routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
 FP8 (``train.precision=fp8``, ``parallel/fp8.py``, ``fp8=True``): an FP8 linear or expert GEMM saves its input only
 as its own FP8 copy, c(n) = n + n/32 per token (E4M3 and an FP32 scale per 128 tokens of each feature), each
-linear separately (wq_a or wq and wkv_a: 2*c(D); w1 and w3: 2*c(D), K*2*c(D) for the routed experts). The
+linear separately (wq_a or wq and wkv_a: 2*c(D); w1 and w3: 2*c(D)), except the routed experts' w1 and w3, which
+share one copy of the dispatched rows (K*c(D)). The
 head, the gate and MTP's eh_proj are not FP8: their inputs, and the norms before them, are as above.
   none      attention: norm(D) -> D*f + D*a + 2*c(D), norm(q_lora) -> q_lora*(f + a) + c(q_lora), likewise
             kv_lora; core: the output's reshaped copy (wo's input) c(H*d_v) instead of H*d_v*a
             dense FFN = D*f + D*a + 2*c(D) + 3*I*a + c(I)   (w1/w3's copies, gate, SiLU, up, w2's copy)
-            MoE: routed experts K*D*a + 2*K*c(D) + 3*K*F*a + K*c(F) (the returned copy; the dispatched one is kept
-            only as w1/w3's copies), shared experts 2*c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
+            MoE: routed experts K*D*a + K*c(D) + 3*K*F*a + K*c(F) (the returned copy; the dispatched one is kept
+            only as w1/w3's shared copy), shared experts 2*c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
   selective snorm = D*a + 2*c(D) (attention, dense FFN; the MoE norm's stays 2*D*a); wo keeps c(H*d_v); dense FFN =
             snorm + 2*I*a + c(I); a MoE SwiGLU keeps h1, h3 as FP8 (``FP8CachedSwiGLU``, 1x128 tiles along the
-            features): s8(n) = 2*(n + 4*ceil(n/128)); routed experts K*D*a + 2*K*c(D) + K*s8(F) + K*c(F), shared
+            features): s8(n) = 2*(n + 4*ceil(n/128)); routed experts K*D*a + K*c(D) + K*s8(F) + K*c(F), shared
             experts 2*c(D) + s8(F_s) + c(F_s)
   full      the layers keep what they keep without FP8 (region inputs); the regions recompute the FP8 layers
-            above: routed experts 2*K*c(D) + 3*K*F*a + K*c(F), shared experts 2*c(D) + 3*F_s*a + c(F_s)
+            above: routed experts K*c(D) + 3*K*F*a + K*c(F), shared experts 2*c(D) + 3*F_s*a + c(F_s)
   B/W       FP8 experts keep their class under ``parallel.wgrad`` (no deferred-experts saving);
             ``experts_backward`` keeps the bound above
   Not modelled per token: the FP8 weight copies backward keeps (1 byte per weight element plus 128x128 block
@@ -90,7 +91,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     core = ((2 * H * qk + H * V) * a + x1(H * V) + H * seq_len * f if math_attention
             else (2 * H * qk + H * (N + V) + H * V) * a + x1(H * V) + H * f)
     route = E * f + 2 * K * f + 16 * K
-    experts, shared = K * D * a + K * x2(D) + 3 * K * F * a + K * x1(F), shared_in + 3 * Fs * a + x1(Fs)
+    experts, shared = K * D * a + K * x1(D) + 3 * K * F * a + K * x1(F), shared_in + 3 * Fs * a + x1(Fs)
     attn = norm(D, x2) + (norm(Q, x1) if Q else 0) + norm(L, x1) + R * a + core
     moe, dense, head = norm(D) + route + experts + shared, norm(D, x2) + 3 * I * a + x1(I), norm(D) + m.vocab_size * f
     out = {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
@@ -99,7 +100,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
         snorm = D * a + x2(D)
         s_attn = snorm + (Q or H * qk) * a + (L + R) * a + x1(H * V)   # MLA.core's latents, wo's input
         s_shared = shared_in + h(Fs) + x1(Fs)
-        s_moe = 2 * D * a + route + K * D * a + K * x2(D) + K * h(F) + K * x1(F) + s_shared
+        s_moe = 2 * D * a + route + K * D * a + K * x1(D) + K * h(F) + K * x1(F) + s_shared
         s_head = 2 * D * a + m.vocab_size * f
         sel = {"dense_layer": s_attn + snorm + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
                "mtp": 3 * D * a + s_attn + s_moe + s_head}
@@ -107,7 +108,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
                    moe_region=out["moe_layer"] - sel["moe_layer"])
     elif recompute == "full":
         f_moe = 3 * D * a + route + 2 * K * D * a
-        routed_region = (K * x2(D) if fp8 else 0) + 3 * K * F * a + K * x1(F)   # FP8: x's copies too
+        routed_region = (K * x1(D) if fp8 else 0) + 3 * K * F * a + K * x1(F)   # FP8: x's copy too
         out.update(dense_layer=D * a, moe_layer=f_moe, mtp=2 * norm(D) + 2 * D * a + f_moe + head,
                    dense_region=attn + dense, moe_region=max(attn, routed_region, shared))
     if deferred:
