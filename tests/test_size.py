@@ -11,6 +11,8 @@ from errors import ConfigError
 from models.params import flops_per_token
 from tools.size import activation_bytes_per_token, main, plan_memory
 
+from .test_recompute import saved_bytes
+
 V3_LAYOUT = ["model=v3_671b", "parallel.pp=16", "parallel.schedule=dualpipe", "parallel.ep=64",
              "parallel.ranks_per_node=8", "parallel.zero=1", "data.seq_len=4096", "train.micro_batch_size=1",
              "train.global_batch_size=15360"]
@@ -122,20 +124,7 @@ def test_activation_estimate_matches_saved_tensors_on_tiny():
     """The per-token activation formula vs the bytes autograd actually saves (fp32, CPU math attention)."""
     cfg = model_preset("tiny")
     B, T = 2, 64
-    model = models.build(cfg, "cpu", seed=0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    ids = torch.randint(0, cfg.vocab_size, (B, T))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.compute_loss(ids, ids, mtp_weight=0.3, aux_alpha=1e-4)
-    measured = sum(saved.values()) / (B * T)
+    measured = saved_bytes(models.build(cfg, "cpu", seed=0), T) / (B * T)
     per = activation_bytes_per_token(cfg, a=4, seq_len=T, math_attention=True)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     estimate = (n_moe * per["moe_layer"] + (cfg.n_layers - n_moe) * per["dense_layer"] + per["head"]
