@@ -1,14 +1,15 @@
 """Injected expert all-to-all latency, for overlap measurements on CPU processes (``bench/pipeline_overlap.py``,
 ``bench/moe_ep.py``, ``tests/test_pipeline_overlap.py``).
 
-``add_latency(model, latency_s)`` replaces every MoE layer's EP dispatcher by a twin (same state) whose
+``add_latency(model, latency_s)`` replaces every MoE layer's dispatcher by a twin (same state) whose
 token-row transfers take ``latency_s`` on the wire: every one over the flat EP group
 (``AllToAllDispatcher``), the inter-node hops of ``HierarchicalDispatcher``, and the two cuts (dispatch,
 combine) of the single-device ``LocalDispatcher``, where nothing is copied and no communication thread runs:
-the host computes alone. Count and id exchanges are not delayed. The latency is a deadline: a transfer launched at t arrives at t + latency, and waiting
-for it sleeps only what is left (``Deadline``), so compute done in between hides it. A forward driven
-straight through (each cut's link exchanged at once, forward and backward) pays it all; so does the FP8
-hierarchical route, whose ``dispatch`` / ``combine`` run synchronously with autograd.
+the host computes alone. Count and id exchanges are not delayed. The latency is a deadline: a transfer
+launched at t arrives at t + latency, and waiting for it sleeps only what is left (``Deadline``), so compute
+done in between hides it. A forward driven straight through (each cut's link exchanged at once, forward and
+backward) pays it all; so does the FP8 hierarchical route, whose ``dispatch`` / ``combine`` run synchronously
+with autograd.
 """
 from __future__ import annotations
 
