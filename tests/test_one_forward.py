@@ -171,6 +171,29 @@ def test_piecewise_matches_straight_through(mode, cuts):
         assert torch.equal(a.tokens_per_expert, b.tokens_per_expert)
 
 
+def test_a_piece_that_only_passes_tensors_on_makes_no_new_leaves_for_them():
+    """The expert piece carries the block's tensors (gate weights, layer input, balance loss, residual) on
+    unused: the combine cut keeps them as the leaves the dispatch cut made (no root, no new leaf, so no
+    gradient copy per cut), and only the received rows become new leaves. Gradients: see
+    ``test_piecewise_matches_straight_through``, which fails if B leaves out the passed-on leaves."""
+    model = build(ModelConfig(**CFG), seed=0).train()
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+    tail = Tail(model.norm, model.head, model.mtp, model.embed)
+    tape = Tape(None, True)
+    steps = span_steps(model.cfg, ids[:, :-1], ids[:, 1:], embed=model.embed, blocks=model.layers, tail=tail,
+                       mtp_weight=0.3)
+    run(record(steps, tape))
+    after_dispatch, after_combine = tape.pieces[1::2], tape.pieces[2::2]
+    assert len(after_dispatch) == len(after_combine) == 3
+    for p in after_dispatch:   # carried tensors + the received rows
+        assert len(p.inputs) >= 4 and p.n_recv == 1
+    for p in after_combine:    # the received rows only
+        assert len(p.inputs) == p.n_recv == 1
+    leaves = [t for p in tape.pieces for t in p.inputs]
+    assert all(t.is_leaf and t.requires_grad for t in leaves)
+    assert len({id(t) for t in leaves}) == len(leaves)
+
+
 def test_carrying_passes_the_callers_tensors_through_every_cut():
     def inner(x):
         (a,), (y,) = yield Cut((x,), [x * 2], LocalLink())

@@ -12,7 +12,8 @@ The model's forward is written once, as steps that yield a ``Cut`` wherever a Mo
 
 (the hierarchical dispatcher cuts at each of its four hops; the single-device ``LocalDispatcher`` cuts at
 the same places with nothing in flight). The next piece starts from detached leaves (``requires_grad``)
-of the cut's carried tensors and received rows, and the link runs outside autograd (``Link.start``). So
+of the cut's carried tensors and received rows (a carried tensor that already is such a leaf, passed on by a
+piece that does not use it, stays that leaf), and the link runs outside autograd (``Link.start``). So
 the backward runs piece by piece in reverse and issues the gradients' all-to-alls itself
 (``Link.reverse``), asynchronously, like the forward's. A tape made with ``cuts=False`` records the same
 steps as one piece (each link exchanged at once, with autograd): where nothing can overlap.
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator
 
 import torch
+from torch.autograd.graph import _engine_run_backward
 
 from models.steps import Cut, Link, pump
 
@@ -44,7 +46,7 @@ Steps = Generator[Any, Any, Any]   # yields handles (``.wait()`` -> tensors), re
 
 @dataclass
 class Piece:
-    inputs: list[torch.Tensor]                     # leaves: carried tensors, then the received floating rows
+    inputs: list[torch.Tensor]                     # leaves made at its start: carried tensors, then received rows
     n_recv: int = 0                                # how many of ``inputs`` came through the link
     outputs: list[torch.Tensor] = field(default_factory=list)   # aligned with the next piece's inputs
     link: Link | None = None                       # the transfer to the next piece
@@ -62,6 +64,7 @@ class Tape:
     def __init__(self, x: torch.Tensor | None, cuts: bool = True):
         self.pieces = [Piece([x] if x is not None else [])]
         self.cuts = cuts
+        self._leaves = {id(x)} if x is not None else set()   # every leaf the tape made (alive until backward)
 
     def cut(self, cut: Cut) -> Steps:
         """End the current piece and launch ``cut``'s link. Yields its handle; returns ``(carry,
@@ -69,7 +72,9 @@ class Tape:
         if not self.cuts:
             return cut.carry, cut.link(cut.sends)
         cur = self.pieces[-1]
-        keep = [i for i, t in enumerate(cut.carry) if _diff(t)]
+        # a carried leaf of this tape (a piece that only passes it on) stays that leaf: its gradient accumulates
+        # in its .grad across the pieces that use it, without a root, a new leaf and a gradient copy per cut
+        keep = [i for i, t in enumerate(cut.carry) if _diff(t) and id(t) not in self._leaves]
         sent = [j for j, t in enumerate(cut.sends) if _diff(t)]
         cur.outputs = [cut.carry[i] for i in keep] + [cut.sends[j] for j in sent]
         cur.link = cut.link
@@ -79,7 +84,9 @@ class Tape:
             carry[i] = carry[i].detach().requires_grad_()
         for j in sent:
             received[j] = received[j].detach().requires_grad_()
-        self.pieces.append(Piece([carry[i] for i in keep] + [received[j] for j in sent], len(sent)))
+        leaves = [carry[i] for i in keep] + [received[j] for j in sent]
+        self._leaves.update(map(id, leaves))
+        self.pieces.append(Piece(leaves, len(sent)))
         return tuple(carry), received
 
     def finish(self, outputs: list[torch.Tensor | None]) -> None:
@@ -122,11 +129,15 @@ def backward_steps(tape: Tape, out_grads: list[torch.Tensor | None],
         p = tape.pieces[i]
         roots, gs = _roots(p, grads)
         if roots:
-            wanted = None if inputs is None else inputs(p.inputs)
+            # B: every leaf still alive (a piece also uses the leaves earlier cuts made and the cuts since passed on)
+            wanted = None if inputs is None else inputs([t for q in tape.pieces[:i + 1] for t in q.inputs])
             if wanted is not None and not wanted:
                 raise RuntimeError(f"B of piece {i}: no input leaf and no non-deferred parameter to differentiate "
                                    "(its deferred weight GEMMs would never be queued)")
-            torch.autograd.backward(roots, gs, inputs=wanted)
+            # torch.autograd.backward less its per-call argument massaging (``_make_grads``'s shape checks in
+            # Python; the engine validates the shapes itself): a fixed cost paid once per piece
+            _engine_run_backward(tuple(roots), tuple(gs), False, False, () if wanted is None else tuple(wanted),
+                                 allow_unreachable=True, accumulate_grad=True)
         p.outputs = []
         if i == 0:
             break
