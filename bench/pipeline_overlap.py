@@ -44,10 +44,18 @@ from bench.latency import add_latency  # noqa: E402
 from models import ModelConfig, build  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.ep import AllToAllDispatcher, apply_ep  # noqa: E402
+from parallel.pipeline import executor  # noqa: E402
+from parallel.pipeline.overlap import run, run_pair  # noqa: E402
 from parallel.pipeline.runner import PipelineRunner  # noqa: E402
 from parallel.pipeline.schedules.actions import Kind  # noqa: E402
 
 N_MB = 8
+SEQ = ("on, halves in sequence", 0.0)   # the --sequential-halves configuration
+
+
+def _in_sequence(a, b, timings=None):
+    """``run_pair``'s stand-in for --sequential-halves: the same cut tapes, the halves not interleaved."""
+    return run(a), run(b)
 
 
 def worker(rank, world, store, args, out):
@@ -74,12 +82,16 @@ def worker(rank, world, store, args, out):
             add_latency(model, latency / 1e3)
             runners[(overlap, latency)] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2],
                                                                  overlap=overlap))
+    if args.sequential_halves:   # overlap on at L = 0, but each F&B's halves run one after the other
+        model = apply_ep(build(cfg, seed=0), dims).train()
+        runners[SEQ] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2], overlap=True))
     # Round robin over the configurations, one step each, so that the load of a shared machine drifts
     # over all of them alike; the best of the timed steps counts (the first round is warm-up).
     fb, step, pieces, waits = ({k: [] for k in runners} for _ in range(4))
     for i in range(1 + args.steps):
         for key, (model, runner) in runners.items():
             dist.barrier()
+            executor.run_pair = _in_sequence if key == SEQ else run_pair
             start = time.perf_counter()
             runner.forward_backward(mbs, 1.0 / N_MB, 0.3, 1e-4)
             fbp = runner.executor.state.fb_pieces
@@ -113,6 +125,9 @@ def main() -> None:
     ap.add_argument("--moe-inter", type=int, default=0, help="expert hidden size (default: --dim)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--sequential-halves", action="store_true",
+                    help="also time overlap on at L = 0 with each F&B's halves run one after the other on their cut "
+                         "tapes: splits the L = 0 overhead into the cuts' share and the interleaving's")
     args = ap.parse_args()
     out = mp.Manager().dict()
     store = Path(tempfile.mkdtemp()) / "store"
@@ -127,8 +142,13 @@ def main() -> None:
           f"{fwd} ms, backward half {bwd} ms")
     print("| overlap | latency (ms) | F&B time per step (s) | step time (s) |")
     print("|---|---|---|---|")
-    for (overlap, lat), (fb, step, *_) in sorted(out.items()):
+    for (overlap, lat), (fb, step, *_) in sorted((k, v) for k, v in out.items() if k != SEQ):
         print(f"| {'on' if overlap else 'off'} | {lat:g} | {fb:.3f} | {step:.3f} |")
+    if SEQ in out:
+        print(f"| {SEQ[0]} | 0 | {out[SEQ][0]:.3f} | {out[SEQ][1]:.3f} |")
+    base = out[(False, 0.0)][0]
+    print(f"L = 0 overhead of overlap on vs off (F&B time): {out[(True, 0.0)][0] / base - 1:+.1%}"
+          + (f"; the cuts alone (halves in sequence): {out[SEQ][0] / base - 1:+.1%}" if SEQ in out else ""))
     print("hidden = 1 - (FB_on(L) - FB_on(0)) / (FB_off(L) - FB_off(0)); cross-check from inside the overlapped "
           "F&Bs: 1 - (wait_on(L) - wait_on(0)) / injected_on(L), wait = time blocked on transfers per step, "
           "injected_on = the latency injected into the transfers waited for")
