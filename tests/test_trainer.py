@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,12 @@ def test_metrics_jsonl_has_required_keys_and_schedules_apply(tmp_path, cache):
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
         assert REQUIRED <= m.keys()
+        # where the step's time went: each phase before the final reduction, together within the step time
+        phases = {k: v for k, v in m.items() if k.startswith("time_")}
+        assert {"time_forward_backward_s", "time_gradient_reduction_and_optimizer_step_s",
+                "time_expert_load_all_reduce_s"} <= phases.keys()
+        assert all(v > 0 for v in phases.values()) and sum(phases.values()) < m["step_time_s"]
+        assert phases["time_forward_backward_s"] > 0.5 * m["step_time_s"]
     assert lines[-1]["tokens"] == 3 * 8 * 64
     assert [m["mtp_loss_weight"] for m in lines] == [0.3, 0.3, 0.1]
     assert [m["bias_update_speed"] for m in lines] == [0.001, 0.0, 0.0]
@@ -193,3 +200,21 @@ def test_invalid_layout_fails_before_any_collective(tmp_path, overrides, key):
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and key in err[0], proc.stderr
+
+
+def test_step_timers_sum_each_phase_and_forget_what_ran_outside_a_step():
+    from trainer.timers import StepTimers, metric_key
+    timers = StepTimers(torch.device("cpu"))
+    with timers("checkpoint save"):
+        pass
+    timers.reset()   # as train_step does first
+    for _ in range(2):
+        with timers("forward/backward"):
+            time.sleep(0.01)
+    with timers("gradient reduction and optimizer step"):
+        pass
+    out = timers.read()
+    assert set(out) == {"time_forward_backward_s", "time_gradient_reduction_and_optimizer_step_s"}
+    assert out["time_forward_backward_s"] >= 0.02
+    assert timers.read() == {}   # read resets
+    assert metric_key("non-finite / stop check (world all-reduce)") == "time_non_finite_stop_check_world_all_reduce_s"

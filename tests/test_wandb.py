@@ -115,6 +115,7 @@ def test_panel_names():
     assert panel_name("mem_peak_gb") == "memory/peak_gb"
     assert panel_name("max_expert_load_over_mean") == "experts/max_over_mean"
     assert panel_name("pipeline_bubble_measured") == "pipeline/bubble_measured"
+    assert panel_name("time_forward_backward_s") == "time/forward_backward_s"
     assert panel_name("val_loss") == "val/loss"
 
 

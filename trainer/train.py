@@ -23,6 +23,7 @@ from .lifecycle import StopRequests, TrainingError, is_comm_failure
 from .metrics import rank_memory
 from .schedules import batch_size_at, lr_multiplier
 from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
+from .timers import StepTimers
 
 
 def pick_device(name: str) -> torch.device:
@@ -41,6 +42,7 @@ class Trainer:
         self.dims = dims or ParallelDims(world_size=1)
         t = cfg.train
         self.device = device or pick_device(t.device)
+        self.timers = StepTimers(self.device)   # time_<phase>_s per step (trainer/timers.py)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision in ("bf16", "fp8"))
         # Before anything slow: an unwritable checkpoint.dir fails now (one line), not at the first save.
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -224,7 +226,8 @@ class Trainer:
         rank, the step (default: the one in progress) and the phase, after what the lower layers named
         (``parallel/errors.py``)."""
         try:
-            yield
+            with self.timers(what):
+                yield
         except TrainingError:
             raise
         except RuntimeError as e:
@@ -237,6 +240,7 @@ class Trainer:
     def train_step(self) -> dict:
         t = self.cfg.train
         t0 = time.perf_counter()
+        self.timers.reset()
         mtp_w = t.mtp_loss_weight.at(self.step, self.tokens)
         gamma = t.bias_update_speed.at(self.step, self.tokens)
         gbs = batch_size_at(t, self.tokens)   # train.batch_ramp, else train.global_batch_size
@@ -284,13 +288,14 @@ class Trainer:
             if self._last_load:
                 loads = torch.stack(self._last_load).double()
                 scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
-            lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()
+            lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()   # the host sync
             dt = time.perf_counter() - t0
+            phases = self.timers.read()   # each phase before this one
             return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                     "grad_norm": grad_norm, "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt,
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
                     "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(),
-                    **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
+                    **phases, **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
                     **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()},
                     **self._source_metrics()}
 

@@ -6,6 +6,8 @@ Panels are grouped by the metric name's prefix (W&B makes one section per prefix
                (val/loss: validation)
   throughput/  tokens_per_s (global), step_time_s, tflops_per_rank (achieved model FLOP/s per rank),
                mfu (against the device's peak; omitted when the peak is unknown, e.g. on CPU)
+  time/        <phase>_s: seconds of each phase of the step (forward_backward, gradient_reduction,
+               gradient_reduction_and_optimizer_step, expert_load_all_reduce; trainer/timers.py)
   experts/     max_over_mean (worst layer), moe<i>_max_over_mean / moe<i>_min_over_mean per MoE layer,
                moe<i>_load (histogram: tokens per expert), load_heatmap (image: MoE layer x expert,
                load / mean over the steps since the previous heatmap)
@@ -51,6 +53,8 @@ def panel_name(key: str) -> str:
         return "memory/" + key[4:]
     if key.startswith("pipeline_"):
         return "pipeline/" + key[9:]
+    if key.startswith("time_"):
+        return "time/" + key[5:]
     if key == "val_loss":
         return "val/loss"
     if key.startswith("val_loss/"):
