@@ -57,3 +57,7 @@ def test_ramp_under_dualpipe_resumes_mid_ramp(tmp_path, cache):
     resumed = run_torchrun(tmp_path, "pipe", 2, *common, *pipe, steps=8)
     assert [m["global_batch_size"] for m in resumed] == SIZES[:8]
     assert_losses_match(resumed, single, rel=1e-5)
+    for m in resumed:   # 2 ranks: the nested world all-reduce counts in "gradient reduction" only, once
+        phases = {k: v for k, v in m.items() if k.startswith("time_")}
+        assert "time_non_finite_stop_check_world_all_reduce_s" not in phases and "time_gradient_reduction_s" in phases
+        assert sum(phases.values()) < m["step_time_s"]

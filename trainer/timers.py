@@ -24,6 +24,7 @@ class StepTimers:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._spans: list[tuple[str, object, object]] = []   # (phase, start, end): seconds or CUDA events
+        self._depth = 0   # a phase inside another counts in the outer one only: the times add up to the step
 
     def reset(self) -> None:
         """Forget what was timed (phases outside a step: checks, checkpoints, validation)."""
@@ -31,15 +32,22 @@ class StepTimers:
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        if self._depth:
             yield
-            end.record()
-        else:
-            start = time.perf_counter()
-            yield
-            end = time.perf_counter()
+            return
+        self._depth += 1
+        try:
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+            else:
+                start = time.perf_counter()
+                yield
+                end = time.perf_counter()
+        finally:
+            self._depth -= 1
         self._spans.append((phase, start, end))
 
     def read(self) -> dict[str, float]:
