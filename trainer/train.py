@@ -290,12 +290,11 @@ class Trainer:
                 scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
             lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()   # the host sync
             dt = time.perf_counter() - t0
-            phases = self.timers.read()   # each phase before this one
             return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                     "grad_norm": grad_norm, "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt,
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
                     "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(),
-                    **phases, **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
+                    **self.timers.read(), **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
                     **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()},
                     **self._source_metrics()}
 
