@@ -200,3 +200,21 @@ def test_a_stage_output_of_another_dtype_than_the_wire_is_an_error(wire, stream)
     ex.state.outputs[(3, 0)] = torch.zeros(2, 4, 8, dtype=wire)
     ex._send(Action(Kind.SEND, 3, 0, peer=0, payload=Payload.ACT))
     assert len(sent) == 1 and sent[0].dtype == wire
+
+
+def test_two_holder_replica_sums_in_fp32_equal_the_fp64_sum_bit_for_bit():
+    """``replicas.sum_dtype``: twin stages add their FP32 gradients in FP32. One FP32 addition rounded once
+    equals the FP64 sum rounded back to FP32 (double rounding through binary64 is innocuous), including
+    cancellation, far-apart exponents, subnormals and ties."""
+    from parallel.pipeline.replicas import sum_dtype
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    a = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    b = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    b[:1000] = -a[:1000] * (1 + torch.finfo(torch.float32).eps)                      # cancellation
+    a[1000:2000], b[1000:2000] = 1.0, torch.finfo(torch.float32).eps / 2            # exact ties
+    a[2000:3000] = torch.finfo(torch.float32).tiny * torch.rand(1000, generator=g)  # subnormals
+    assert torch.equal((a.double() + b.double()).float(), a + b)
+    t32 = [torch.zeros(2), torch.zeros(3)]
+    assert sum_dtype(2, t32) == torch.float32
+    assert sum_dtype(3, t32) == torch.float64 and sum_dtype(2, [torch.zeros(2, dtype=torch.bfloat16)]) == torch.float64

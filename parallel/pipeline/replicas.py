@@ -30,6 +30,16 @@ def holders(cfg: ModelConfig, schedule: Schedule, layout: list[int] | None = Non
     return {n: tuple(rs) for n, rs in held.items()}
 
 
+def sum_dtype(n_holders: int, tensors: list[torch.Tensor]) -> torch.dtype:
+    """The dtype a replica sum travels in. Two FP32 holders: FP32, as ``a + b`` rounded once to FP32 equals it
+    summed in FP64 and rounded back (double rounding through binary64 is innocuous for one addition, 53 >= 2 x 24
+    + 2): DualPipe's twin stages sync their gradients at half the bytes, bit for bit as before. More holders, or
+    other dtypes: FP64, so that the order of the additions does not show."""
+    if n_holders == 2 and all(t.dtype == torch.float32 for t in tensors):
+        return torch.float32
+    return torch.float64
+
+
 class ReplicaSync:
     """Process groups for each holder set of this rank (built once, on every rank, same order)."""
 
@@ -51,7 +61,7 @@ class ReplicaSync:
             if len(hs) > 1:
                 by_group.setdefault(hs, []).append(named[name])
         for hs, tensors in by_group.items():
-            flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+            flat = torch.cat([t.reshape(-1).to(sum_dtype(len(hs), tensors)) for t in tensors])
             dist.all_reduce(flat, group=self.groups[hs])
             offset = 0
             for t in tensors:
