@@ -105,6 +105,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return sorted(rows, key=lambda r: r["step"])
 
 
+def timer_problems(rows: list[dict]) -> list[int]:
+    """Steps whose phase times (``time_<phase>_s``, ``trainer/timers.py``: CUDA events on a GPU) are missing or
+    add up to more than the step's wall time."""
+    bad = []
+    for r in rows:
+        t = {k: v for k, v in r.items() if k.startswith("time_")}
+        if not t.get("time_forward_backward_s", 0.0) > 0 or sum(t.values()) > 1.01 * r["step_time_s"]:
+            bad.append(r["step"])
+    return bad
+
+
 def steady_tokens_per_s(rows: list[dict], skip: int = 5) -> float | None:
     """Median tokens/s over the steps after the first ``skip`` (compilation and warm-up excluded)."""
     vals = [r["tokens_per_s"] for r in rows[skip:] if r.get("tokens_per_s")]
@@ -155,6 +166,8 @@ def run_tiny(run: TinyRun, steps: int, cache_dir: Path, env: dict, timeout_s: fl
         rows = read_metrics(run.run_dir)
         run.losses = [float(r["loss"]) for r in rows]
         run.tokens_per_s = steady_tokens_per_s(rows)
+        if bad := timer_problems(rows):
+            run.error = run.error or f"phase times (trainer/timers.py) missing or over the step time at steps {bad[:5]}"
     except (OSError, ValueError, KeyError) as e:
         run.error = run.error or f"no metrics: {type(e).__name__}: {e}"
     return run

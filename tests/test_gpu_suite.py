@@ -338,6 +338,14 @@ sys.meta_path.insert(0, _Block())
 """
 
 
+def test_timer_problems_flags_missing_or_oversized_phase_times():
+    ok = {"step": 1, "step_time_s": 1.0, "time_forward_backward_s": 0.8, "time_expert_load_all_reduce_s": 0.1}
+    assert tc.timer_problems([ok]) == []
+    assert tc.timer_problems([{**ok, "step": 2, "time_forward_backward_s": 0.0}]) == [2]
+    assert tc.timer_problems([{"step": 3, "step_time_s": 1.0}]) == [3]
+    assert tc.timer_problems([{**ok, "step": 4, "time_gradient_reduction_s": 0.5}]) == [4]   # 1.4 s in a 1 s step
+
+
 @pytest.mark.slow
 def test_tiny_trainer_runs_without_datasets_and_wandb(tmp_path):
     """As on the GPU machine: no ``datasets``, no ``wandb``; the suite's own trainer invocation."""
