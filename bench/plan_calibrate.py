@@ -9,7 +9,10 @@ each layer alone, the head + MTP alone. Its GEMM modules defer their weight grad
 (``parallel.wgrad.apply_deferred_wgrad``), as the trainer's zero-bubble schedules do, and each component is
 timed as the pipeline executor runs it: forward (F), B (``WeightGradQueue.backward``: the stage input's and
 the non-GEMM parameters' gradients, dW GEMMs queued, graph freed) and W (``WeightGradQueue.run``: the queued
-GEMMs only), median of ``--reps``; seconds per token per component go into the profile's ``measured``.
+GEMMs only), median of ``--reps``; seconds per token per component go into the profile's ``measured``, and
+the trainer's optimizer step (one rank: norm, clipping, AdamW) per parameter into ``optimizer_s_per_param``.
+The link (latency and bandwidth of every collective and p2p in the profile) is a 2-process gloo all-reduce
+of one float and of 16 MB.
 ``--check`` runs pp=2 DualPipe, pp=4 1F1B and pp=2 x ep=2 DualPipe with
 torchrun for ``--steps`` steps and prints predicted vs measured (median step_time_s after the first two),
 with ``os.getloadavg()`` before and after.
@@ -78,6 +81,57 @@ def measure(reps: int) -> dict:
     return out
 
 
+def measure_optimizer(reps: int) -> float:
+    """Seconds per parameter of the trainer's optimizer step on the tiny model in one process (``parallel.zero``'s
+    single-rank optimizer: gradient norm, clipping, AdamW), median of ``reps``."""
+    import models
+    from configs.schema import compose
+    from parallel.dims import ParallelDims
+    from parallel.zero import build_optimizer
+    cfg = compose(["+exp=tiny"])
+    model = models.build(cfg.model, "cpu", seed=0)
+    opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    times = []
+    for _ in range(reps + 2):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        t0 = time.perf_counter()
+        opt.step(cfg.optim.grad_clip)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]) / sum(p.numel() for p in params)
+
+
+def _link_worker(rank: int, store: str, reps: int, out) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    res = {}
+    for n in (1, 4 * 2**20):   # one float (latency); 16 MB (bandwidth)
+        t = torch.ones(n)
+        times = []
+        for _ in range(reps + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        res[n] = statistics.median(times[2:])
+    if rank == 0:
+        out.update(res)
+    dist.destroy_process_group()
+
+
+def measure_link(reps: int) -> tuple[float, float]:
+    """(latency in us, GB/s) of a 2-rank gloo all-reduce on this machine, the planner's model of it:
+    latency + bytes / bandwidth."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out = mp.Manager().dict()
+        mp.spawn(_link_worker, args=(str(Path(tmp) / "store"), reps, out), nprocs=2, join=True)
+    small, big = out[1], out[4 * 2**20]
+    return small * 1e6, 16 * 2**20 / max(big - small, 1e-9) / 1e9
+
+
 def run_layout(over: list[str], steps: int, tmp: Path) -> float:
     nproc = 1
     for o in over:
@@ -106,14 +160,19 @@ def main() -> int:
     import yaml
     load0 = os.getloadavg()
     measured = measure(args.reps)
-    prof = {"name": "CPU (this machine, measured)", "cores": os.cpu_count(), "ib_gb_s": 2.0, "nvlink_gb_s": 2.0,
-            "gpus_per_node": 1, "a2a_latency_us": 300, "p2p_latency_us": 300, "hbm_gb": 24,
-            "measured": measured,
+    optimizer = measure_optimizer(args.reps)
+    latency_us, gb_s = measure_link(max(args.reps, 10))
+    prof = {"name": "CPU (this machine, measured)", "cores": os.cpu_count(), "ib_gb_s": round(gb_s, 3),
+            "nvlink_gb_s": round(gb_s, 3), "gpus_per_node": 1, "a2a_latency_us": round(latency_us, 1),
+            "p2p_latency_us": round(latency_us, 1), "hbm_gb": 24,
+            "measured": measured, "optimizer_s_per_param": optimizer,
             "sources": [f"bench/plan_calibrate.py, one process, 1 thread, load {load0[0]:.2f} at start"]}
     Path(args.out).write_text(yaml.safe_dump(prof, sort_keys=False))
     print(f"load {load0}; wrote {args.out}")
     for k, v in measured.items():
         print(f"  {k:<12} " + "  ".join(f"{x} {1e6 * v[x]:.2f} us/token" for x in "fbw"))
+    print(f"  optimizer    {1e9 * optimizer:.2f} ns/parameter")
+    print(f"  gloo link    {latency_us:.0f} us + bytes / {gb_s:.2f} GB/s (2-rank all-reduce)")
     if not args.check:
         return 0
     from configs.schema import compose

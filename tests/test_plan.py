@@ -86,6 +86,40 @@ def test_measured_profile_single_stage():
     assert p.pipeline_s == pytest.approx(p.n_microbatches * 3 * 1e-5 * n_comp * tokens)
 
 
+def test_replicated_params_per_pipeline_rank():
+    """What the trainer's ``ReplicaSync`` sums every step: DualPipe holds every stage twice, 1F1B with MTP a
+    tied embedding on the last stage; routed experts counted per EP shard."""
+    from tools.plan import replicated_params
+    from tools.size import model_parts
+    for sched, ep in (("dualpipe", 1), ("dualpipe", 2), ("1f1b", 1)):
+        cfg = compose(["+exp=tiny", "parallel.pp=2", f"parallel.schedule={sched}", f"parallel.ep={ep}"])
+        model = models.build(cfg.model, "meta")
+        parts = model_parts(model)
+        rep = replicated_params(cfg, 8, model)
+        if sched == "dualpipe":   # both ranks hold the whole model
+            whole = sum(parts.layer_dense) + parts.embed + parts.head + parts.mtp_dense
+            whole += (sum(parts.layer_expert) + parts.mtp_expert) // ep
+            assert rep == {0: whole, 1: whole}
+        else:
+            assert rep == {0: parts.embed, 1: parts.embed}
+    assert replicated_params(compose(["+exp=tiny"]), 8, models.build(compose(["+exp=tiny"]).model, "meta")) == {}
+
+
+def test_measured_step_end_adds_the_optimizer_the_twin_sum_and_the_small_collectives():
+    from tools.plan_costs import STEP_COLLECTIVES, step_end
+    from tools.size import plan_memory
+    cfg = compose(["+exp=tiny", "parallel.pp=2", "parallel.schedule=dualpipe"])
+    per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
+    hw = Hardware(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2,
+                  optimizer_s_per_param=2e-9, p2p_latency_us=100, ib_gb_s=1.0)
+    mem = plan_memory(cfg, 2, "trainer", "none")
+    dims = type("D", (), {"dp": 1, "edp": 1})()
+    owned = max(r.params_dense + r.params_expert for r in mem.ranks)
+    end = step_end(cfg, hw, mem, dims, {0: 1_000_000, 1: 1_000_000})
+    assert end == pytest.approx(2e-9 * owned + 4e6 / 1e9 + 1e-4 + STEP_COLLECTIVES * 1e-4)   # 4 MB at 1 GB/s
+    assert step_end(cfg, hw, mem, dims, {}) == pytest.approx(2e-9 * owned + STEP_COLLECTIVES * 1e-4)
+
+
 def test_v3_published_step():
     """Acceptance 1: DeepSeek-V3 (2048 H800, PP16 DualPipe, EP64, ZeRO-1) vs ISCA'25 Table 4."""
     pred, rows = v3_check("h800")

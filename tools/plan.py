@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import models
 from configs.schema import compose
 from models.params import flops_per_token
+from models.moe import GroupedExperts
+from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
 from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, load_hardware,
@@ -117,7 +119,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     # it ran on 80 GB); none and full are this trainer's train.recompute modes
     mem = plan_memory(cfg, world_size, "v3" if not hw.measured else "trainer",
                       FLOOR if recompute == "v3" else recompute, model=model)
-    end = step_end(cfg, hw, mem, dims)
+    end = step_end(cfg, hw, mem, dims, replicated_params(cfg, n_micro, model) if hw.measured else None)
     step = pipeline + end
     tokens = t.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, model).per_token
@@ -130,6 +132,22 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     return Prediction(layout, world_size, n_micro, tokens, stage_costs, p2p, pipeline, bubble, exposed, end, step,
                       mfu, tokens / step / world_size, tflops, worst, worst <= hw.hbm_gb * 0.9, phases, traffic,
                       sim, notes + mem.notes)
+
+
+def replicated_params(cfg, n_micro: int, model) -> dict[int, int]:
+    """Per pipeline rank: the parameters another pipeline rank holds too (DualPipe's twin stages, a tied
+    embedding), its routed-expert shard counted; the trainer sums their gradients every step."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return {}
+    expert = {id(q) for m in model.modules() if isinstance(m, GroupedExperts) for q in m.parameters()}
+    size = {n: q.numel() // (p.ep if id(q) in expert else 1) for n, q in model.named_parameters()}
+    out = dict.fromkeys(range(p.pp), 0)
+    for name, ranks in holders(cfg.model, get_schedule(p.schedule, p.pp, n_micro), p.pp_layout).items():
+        if len(ranks) > 1 and name in size:
+            for r in ranks:
+                out[r] += size[name]
+    return out
 
 
 # ---- DeepSeek-V3's published step --------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Hardware:
     p2p_latency_us: float = 0.0
     cores: int = 0                      # measured CPU profiles: cores the ranks share (0: one device per rank)
     measured: dict | None = None        # seconds per token of each component: {component: {f, b, w}}
+    optimizer_s_per_param: float = 0.0  # measured profiles: the trainer's optimizer step per owned parameter
     sources: list[str] = field(default_factory=list)
 
 
@@ -269,14 +270,27 @@ def action_costs(cfg, hw: Hardware, parts, precision: str = "fp8", recompute: st
     return costs, works, traffic, p2p
 
 
-def step_end(cfg, hw: Hardware, mem_plan, dims) -> float:
-    """ZeRO reduce-scatter + all-gather (or all-reduce) over dp/edp on the worst rank, plus AdamW."""
+STEP_COLLECTIVES = 6   # the trainer's small all-reduces per step: loss sums, non-finite check, gradient norm,
+                       # expert loads, metrics, memory peaks (trainer/train.py)
+
+
+def step_end(cfg, hw: Hardware, mem_plan, dims, replicated: dict[int, int] | None = None) -> float:
+    """ZeRO reduce-scatter + all-gather (or all-reduce) over dp/edp on the worst rank, plus AdamW. A measured
+    (CPU) profile models this trainer's step end instead of DeepSeek's: the optimizer step at its measured
+    seconds per parameter, the FP32 all-reduce that sums the gradients of the parameters held by two pipeline
+    ranks (``replicated``: per pp rank; DualPipe's twin stages, a tied embedding) and the step's small
+    all-reduces at the profile's latency."""
     worst = 0.0
     for r in mem_plan.ranks:
         dense, expert = r.params_dense, r.params_expert
         ring = lambda n, nbytes: 0.0 if n == 1 else (n - 1) / n * nbytes / (hw.ib_gb_s * GB)  # noqa: E731
         comm = 2 * (ring(dims.dp, 2 * dense) + ring(dims.edp, 2 * expert))   # RS + AG, or one all-reduce
         owned = (dense / dims.dp + expert / dims.edp) if cfg.parallel.zero >= 1 else dense + expert
-        update = 24 * owned / (hw.hbm_tb_s * 1e12) if not hw.measured else 0.0
+        if hw.measured:
+            twins = (replicated or {}).get(r.pp_rank, 0)
+            sync = 2 * ring(2, 4 * twins) + hw.p2p_latency_us * 1e-6 if twins else 0.0
+            update = hw.optimizer_s_per_param * owned + sync + STEP_COLLECTIVES * hw.p2p_latency_us * 1e-6
+        else:
+            update = 24 * owned / (hw.hbm_tb_s * 1e12)
         worst = max(worst, comm + update)
     return worst
