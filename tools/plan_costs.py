@@ -28,7 +28,9 @@ Step end: ZeRO-1/2 reduce-scatter of the gradients (BF16) and all-gather of the 
 dp (dense) and edp (experts), ring cost (n-1)/n x bytes / ib; ZeRO-0 an all-reduce of the same bytes;
 the AdamW update reads and writes 24 bytes per owned parameter at HBM bandwidth.
 A measured profile (CPU, ``bench/plan_calibrate.py``) replaces FLOPs/peak by seconds per token of each
-component (embedding, dense layer, MoE layer, head + MTP); its p2p carries fp32 activations (4 bytes).
+component (embedding, dense layer, MoE layer, head + MTP); its p2p carries fp32 activations (4 bytes); its
+step end is this trainer's: the optimizer at its measured seconds per parameter, the FP32 all-reduce of the
+parameters two pipeline ranks hold, and the step's small all-reduces at the link's latency.
 """
 from __future__ import annotations
 
