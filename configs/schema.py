@@ -36,8 +36,15 @@ class ParallelConfig:
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
     timeout_s: int = 600        # collective timeout (s, > 0); a hung peer raises an error naming rank and layer
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
-    overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls (docs/pipeline.md)
+    overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls, where there are some (ep > 1; fb_overlap, docs/pipeline.md)
     fp8_dispatch: bool = False  # MoE dispatch sends tokens as FP8 (E4M3, pow2 1x128 scales); combine stays BF16
+
+    @property
+    def fb_overlap(self) -> bool:
+        """Whether the F&B actions run overlapped: ``overlap`` where an expert all-to-all exists to hide (ep > 1).
+        With ep = 1 the dispatcher moves nothing, and cutting and interleaving the halves would only cost time
+        (about 6 % of the F&Bs of a tiny CPU model, docs/benchmarks.md)."""
+        return self.overlap and self.ep > 1
 
 
 @dataclass

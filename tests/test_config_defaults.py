@@ -65,8 +65,22 @@ def test_composed_config_keeps_every_schema_default(overrides):
     assert checked >= 80 and "parallel.overlap" not in set_by_exp
 
 
-def test_overlap_is_on_by_default():
+def test_overlap_is_on_by_default_where_it_applies():
+    """On by default; it applies where an expert all-to-all exists to hide (ep > 1)."""
     assert Config().parallel.overlap is True and make_config().parallel.overlap is True
+    assert make_config("parallel.ep=2", world_size=2).parallel.fb_overlap is True
+    assert make_config().parallel.fb_overlap is False   # ep = 1: nothing travels
+    assert make_config("parallel.ep=2", "parallel.overlap=false", world_size=2).parallel.fb_overlap is False
+
+
+def test_the_startup_log_says_whether_the_f_and_b_overlap_runs():
+    from types import SimpleNamespace
+
+    from trainer.startup import _overlap_note
+    on = SimpleNamespace(overlap=True, fb_overlap=True)
+    assert _overlap_note(on) == " (F&B overlap on)"
+    assert "ep = 1" in _overlap_note(SimpleNamespace(overlap=True, fb_overlap=False))
+    assert _overlap_note(SimpleNamespace(overlap=False, fb_overlap=False)) == " (F&B overlap off)"
 
 
 @pytest.mark.parametrize("schedule", [NO_PIPELINE, *SCHEDULES])

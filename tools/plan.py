@@ -106,7 +106,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     model = model if model is not None else models.build(cfg.model, "meta")
     stage_costs, _, traffic, p2p = action_costs(cfg, hw, model_parts(model), precision, recompute)
     n_micro = max(1, t.global_batch_size // (t.micro_batch_size * dims.dp))
-    overlap = p.overlap or not hw.measured   # GPU plans assume the overlapped F&B; CPU runs follow the config
+    overlap = p.fb_overlap or not hw.measured   # GPU plans assume the overlapped F&B; CPU runs follow the trainer
     if p.pp > 1:
         sim, sc, notes = _simulate_pipeline(cfg, hw, world_size, n_micro, StageCosts(stage_costs, p2p, overlap))
         pipeline, bubble = sim.makespan, sim.bubble[0]

@@ -73,7 +73,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: 
     if dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
         n_micro = batch_size_at(t, 0) // (t.micro_batch_size * dims.dp)   # the first step's
         pipe = PipelineRunner(model, dims, cfg.parallel.schedule, n_micro, cfg.parallel.pp_layout, device,
-                              cfg.parallel.overlap, WEIGHT_DTYPES[weights_for(t.precision)])
+                              cfg.parallel.fb_overlap, WEIGHT_DTYPES[weights_for(t.precision)])
     apply_recompute(model, t.recompute)   # train.recompute (parallel/recompute.py)
     model.train()
     return model, pipe
@@ -128,6 +128,12 @@ def tokenizer_json(cfg: Config, corpus) -> str | None:
     return None
 
 
+def _overlap_note(p) -> str:
+    if p.fb_overlap:
+        return " (F&B overlap on)"
+    return " (F&B overlap off" + (": ep = 1, no expert all-to-all to hide)" if p.overlap else ")")
+
+
 def startup_lines(trainer) -> list[str]:
     """What a cluster log needs first: run dir and resolved config, layout, parameter counts, data. Rank 0
     also writes the resolved config and the tokenizer into the run dir (they travel with it)."""
@@ -141,7 +147,8 @@ def startup_lines(trainer) -> list[str]:
     n = count_params(models.build(c.model, device="meta"))
     lines = [f"run dir {run_dir} (resolved config: {run_dir / 'config.yaml'})",
              f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
-             f"{p.schedule}; zero {p.zero}; precision {c.train.precision}; device {trainer.device}",
+             f"{p.schedule}{_overlap_note(p) if d.pp > 1 else ''}; zero {p.zero}; precision {c.train.precision}; "
+             f"device {trainer.device}",
              f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
              f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
     if trainer.corpus is not None:
