@@ -219,3 +219,32 @@ def test_step_timers_sum_each_phase_and_forget_what_ran_outside_a_step():
     assert out["time_forward_backward_s"] >= 0.02 and out["time_gradient_reduction_and_optimizer_step_s"] >= 0.01
     assert timers.read() == {}   # read resets
     assert metric_key("non-finite / stop check (world all-reduce)") == "time_non_finite_stop_check_world_all_reduce_s"
+
+
+def test_step_timers_on_cuda_read_events_after_the_sync(monkeypatch):
+    """The CUDA branch without a GPU: each phase records a start and an end event on entry and exit, and
+    ``read`` converts their elapsed milliseconds to seconds (``torch.cuda.Event`` replaced by a stand-in)."""
+    from trainer.timers import StepTimers
+    clock = {"ms": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = clock["ms"]
+
+        def elapsed_time(self, end):
+            assert self.at is not None and end.at is not None, "read before the phase's events were recorded"
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timers = StepTimers(torch.device("cuda"))
+    with timers("forward/backward"):
+        clock["ms"] += 250.0
+        with timers("gradient reduction"):   # nested: no events of its own
+            clock["ms"] += 5.0
+    with timers("expert-load all-reduce"):
+        clock["ms"] += 2.0
+    assert timers.read() == pytest.approx({"time_forward_backward_s": 0.255, "time_expert_load_all_reduce_s": 0.002})
