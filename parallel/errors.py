@@ -14,6 +14,29 @@ _COMM_FAILURE = ("Timed out", "timed out", "Application timeout", "Connection cl
                  "Connection reset by peer", "Broken pipe", "NCCL", "ProcessGroup", "Watchdog", "watchdog", "gloo")
 
 
+# Which of those say the peer did not answer in time (gloo: "Timed out ..." from a blocking call, "Application
+# timeout caused pair closure" from asynchronous work; NCCL's watchdog: "... before timing out") and which say
+# its connection went (a peer that died). The wording depends on which side noticed first; the cause does not.
+_TIMED_OUT = ("Timed out", "timed out", "Application timeout", "timing out")
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def failure_cause(e: BaseException) -> str:
+    """``"timed out"``, ``"connection lost"`` or ``"communication failed"``: what a communication failure
+    says happened, in whatever words the backend used. Only the backend's own error (the deepest one ``e``
+    was raised from) is read: the clauses the layers above add may mention either cause as a guess."""
+    seen = set()
+    while id(e) not in seen and (e.__cause__ or e.__context__) is not None:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    text = str(e)
+    if any(f in text for f in _CONNECTION_LOST):
+        return "connection lost"
+    if any(f in text for f in _TIMED_OUT):
+        return "timed out"
+    return "communication failed"
+
+
 class P2PError(RuntimeError):
     """A point-to-point protocol error of ours (a transfer that is not the one expected, a channel that
     does not exist): a bug in a schedule's placement, never a peer failure."""

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 
-from parallel.errors import is_comm_failure  # noqa: F401  (re-exported for the trainer)
+from parallel.errors import failure_cause, is_comm_failure  # noqa: F401  (re-exported for the trainer)
 
 EXIT_OK = 0
 EXIT_CONFIG = 2

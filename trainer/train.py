@@ -19,7 +19,7 @@ from .blend import BlendedBatches
 from .checkpoint import CheckpointManager
 from .data import use_offline_hub
 from .ema import ParamEMA
-from .lifecycle import StopRequests, TrainingError, is_comm_failure
+from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failure
 from .metrics import rank_memory
 from .schedules import batch_size_at, lr_multiplier
 from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
@@ -234,7 +234,7 @@ class Trainer:
             if not is_comm_failure(e):
                 raise
             raise TrainingError(f"rank {self.dims.rank}: step {self.step + 1 if step is None else step}, {what}: {str(e).splitlines()[0]} "
-                                f"(a peer hung or died; see its own log; parallel.timeout_s="
+                                f"({failure_cause(e)}: a peer hung or died; see its own log; parallel.timeout_s="
                                 f"{self.cfg.parallel.timeout_s})") from e
 
     def train_step(self) -> dict:
