@@ -1,5 +1,5 @@
 """Calibrate a measured CPU profile for ``tools.plan`` from one process, then (``--check``) compare its
-predictions with trainer runs of three layouts.
+predictions with trainer runs of four layouts.
 
     python bench/plan_calibrate.py [--out configs/hardware/cpu.yaml] [--reps 5] [--check]
 
@@ -9,11 +9,14 @@ each layer alone, the head + MTP alone. Its GEMM modules defer their weight grad
 (``parallel.wgrad.apply_deferred_wgrad``), as the trainer's zero-bubble schedules do, and each component is
 timed as the pipeline executor runs it: forward (F), B (``WeightGradQueue.backward``: the stage input's and
 the non-GEMM parameters' gradients, dW GEMMs queued, graph freed) and W (``WeightGradQueue.run``: the queued
-GEMMs only), median of ``--reps``; seconds per token per component go into the profile's ``measured``, and
-the trainer's optimizer step (one rank: norm, clipping, AdamW) per parameter into ``optimizer_s_per_param``.
+GEMMs only), in a pipeline's order (the forwards of a few micro-batches, then their backwards in
+reverse), median over ``--reps`` rounds; seconds per token per component go into the profile's ``measured``, and
+the trainer's step end (one rank: non-finite check, norm, clipping, AdamW) per parameter into
+``optimizer_s_per_param``.
 The link (latency and bandwidth of every collective and p2p in the profile) is a 2-process gloo all-reduce
-of one float and of 16 MB.
-``--check`` runs pp=2 DualPipe, pp=4 1F1B and pp=2 x ep=2 DualPipe with
+of one float and of 16 MB; the expert all-to-all's cost per call (waiting, and host work) is the trainer's dispatcher at ep = 2
+on 2 gloo processes against the same MoE layer with every expert local (``measure_dispatch``).
+``--check`` runs pp=2 DualPipe, pp=4 1F1B, pp=2 x ep=2 DualPipe and ep=2 with
 torchrun for ``--steps`` steps and prints predicted vs measured (median step_time_s after the first two),
 with ``os.getloadavg()`` before and after.
 """
@@ -34,10 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+IN_FLIGHT = 2   # micro-batches whose forwards run before their backwards, per calibration round
+
 LAYOUTS = {
     "pp2 dualpipe": ["parallel.pp=2", "parallel.schedule=dualpipe"],
     "pp4 1f1b": ["parallel.pp=4", "parallel.schedule=1f1b"],
     "pp2 x ep2 dualpipe": ["parallel.pp=2", "parallel.schedule=dualpipe", "parallel.ep=2"],
+    "ep2": ["parallel.ep=2"],   # no pipeline: the expert all-to-all over gloo, 2 ranks on 2 cores
 }
 
 
@@ -58,48 +64,65 @@ def measure(reps: int) -> dict:
         pieces["moe_layer" if m.is_moe_layer(i) else "dense_layer"].append(Stage(model, 1, 3, range(i, i + 1)))
     queue = WeightGradQueue()
     apply_deferred_wgrad(model, queue)
-    out = {}
-    for name, stages in pieces.items():
-        times = {"f": [], "b": [], "w": []}
-        for st in stages:
-            params = [p for p in st.parameters() if p.requires_grad]
-            for r in range(reps + 1):
+    comps = [(name, st) for name, stages in pieces.items() for st in stages]
+    order = sorted(comps, key=lambda c: (not c[1].is_first, c[1].is_last, c[1].layer_ids))   # the model's order
+    gen = torch.Generator().manual_seed(0)
+    times = {name: {k: [] for k in "fbw"} for name in pieces}
+    # As a pipeline runs them: each round, the forwards of IN_FLIGHT micro-batches (fresh token ids each) through
+    # every component in the model's order, then their B and W in reverse. Timing one component's F, B, W back
+    # to back instead keeps its activations and weights in the core's cache and reads 10-20 % faster than the
+    # trainer's pipeline actions run (measured on the tiny model, 2026-11-24).
+    for r in range(reps + 1):
+        live = []
+        for j in range(IN_FLIGHT):
+            ids = torch.randint(0, m.vocab_size, (B, T), generator=gen)
+            for name, st in order:
                 x = None if st.is_first else torch.randn(B, T, m.dim, requires_grad=True)
                 t0 = time.perf_counter()
                 y, _ = st(x, ids, ids, 0.3)
-                t1 = time.perf_counter()
-                queue.backward(r, [y], [torch.ones_like(y)], [x], params)
-                t2 = time.perf_counter()
-                queue.run(r)
-                t3 = time.perf_counter()
-                model.zero_grad(set_to_none=True)
-                if r:   # the first is a warm-up
-                    for k, dt in zip("fbw", (t1 - t0, t2 - t1, t3 - t2)):
-                        times[k].append(dt)
-        n = len(stages)
-        out[name] = {k: statistics.median(v) / (B * T) for k, v in times.items()} if n else {"f": 0, "b": 0, "w": 0}
-    return out
+                times[name]["f"].append(time.perf_counter() - t0)
+                live.append((name, st, x, y, (r, j, len(live))))
+        for name, st, x, y, key in reversed(live):
+            params = [p for p in st.parameters() if p.requires_grad]
+            t1 = time.perf_counter()
+            queue.backward(key, [y], [torch.ones_like(y)], [x], params)
+            t2 = time.perf_counter()
+            queue.run(key)
+            times[name]["b"].append(t2 - t1)
+            times[name]["w"].append(time.perf_counter() - t2)
+        model.zero_grad(set_to_none=True)
+        if r == 0:   # the first round is a warm-up
+            times = {name: {k: [] for k in "fbw"} for name in pieces}
+    # per component: the median over its stages and micro-batches (the MoE layers are alike, as are the dense ones)
+    return {name: {k: statistics.median(v) / (B * T) for k, v in t.items()} if pieces[name] else {"f": 0, "b": 0, "w": 0}
+            for name, t in times.items()}
 
 
 def measure_optimizer(reps: int) -> float:
-    """Seconds per parameter of the trainer's optimizer step on the tiny model in one process (``parallel.zero``'s
-    single-rank optimizer: gradient norm, clipping, AdamW), median of ``reps``."""
+    """Seconds per parameter of the trainer's step end on the tiny model in one process (``parallel.zero``'s
+    single-rank optimizer): the non-finite check of the gradients, then the optimizer step (gradient norm,
+    clipping, AdamW), each time right after a forward + backward of a micro-batch, as in a training step (with
+    gradients made up instead, the optimizer's state stays in the cache and times 15-20 % faster); median of
+    ``reps``."""
     import models
     from configs.schema import compose
     from parallel.dims import ParallelDims
     from parallel.zero import build_optimizer
     cfg = compose(["+exp=tiny"])
-    model = models.build(cfg.model, "cpu", seed=0)
+    m, B, T = cfg.model, cfg.train.micro_batch_size, cfg.data.seq_len
+    model = models.build(m, "cpu", seed=0)
     opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1))
-    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
     times = []
     for _ in range(reps + 2):
-        for p in params:
-            p.grad = torch.randn_like(p) * 1e-3
+        ids = torch.randint(0, m.vocab_size, (B, T), generator=gen)
+        opt.backward(model.compute_loss(ids, ids, mtp_weight=0.3).loss)
         t0 = time.perf_counter()
+        opt.grads_finite()
         opt.step(cfg.optim.grad_clip)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) / sum(p.numel() for p in params)
+        opt.zero_grad()
+    return statistics.median(times[2:]) / sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _link_worker(rank: int, store: str, reps: int, out) -> None:
@@ -121,6 +144,64 @@ def _link_worker(rank: int, store: str, reps: int, out) -> None:
     dist.destroy_process_group()
 
 
+def _dispatch_worker(rank: int, store: str, reps: int, out) -> None:
+    import models
+    import torch.distributed as dist
+    from configs.schema import compose
+    from parallel.dims import ParallelDims
+    from parallel.ep import apply_ep
+    from parallel.pipeline.stages import Stage
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    cfg = compose(["+exp=tiny", "parallel.ep=2"])
+    m, p, B, T = cfg.model, cfg.parallel, cfg.train.micro_batch_size, cfg.data.seq_len
+    dims = ParallelDims(world_size=2, rank=rank, ep=2, ranks_per_node=p.ranks_per_node).build_groups()
+    layer = next(i for i in range(m.n_layers) if m.is_moe_layer(i))
+    blocks = {ep: Stage(model, 1, 3, range(layer, layer + 1)) for ep, model in
+              ((False, models.build(m, "cpu", seed=0)),
+               (True, apply_ep(models.build(m, "cpu", seed=0), dims, p.ep_dispatcher, p.fp8_dispatch)))}
+    gen = torch.Generator().manual_seed(rank)
+    times = {(ep, d): [] for ep in blocks for d in ("fwd", "bwd", "cpu")}
+    for r in range(reps + 2):
+        ids = torch.randint(0, m.vocab_size, (B, T), generator=gen)
+        for ep, st in blocks.items():   # alternated, so that both see the same load
+            x = torch.randn(B, T, m.dim, generator=gen, requires_grad=True)
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()   # CPU time of every thread (gloo's included)
+            y, _ = st(x, ids, ids, 0.3)
+            t1 = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            t2, c2 = time.perf_counter(), time.process_time()
+            if r >= 2:
+                times[(ep, "fwd")].append(t1 - t0)
+                times[(ep, "bwd")].append(t2 - t1)
+                times[(ep, "cpu")].append(c2 - c0)
+    if rank == 0:
+        out.update({k: statistics.median(v) for k, v in times.items()})
+    dist.destroy_process_group()
+
+
+def measure_dispatch(reps: int) -> tuple[float, float]:
+    """Seconds one expert all-to-all call of the trainer's dispatcher costs on this machine beyond its bytes,
+    ``(waiting, host work)``: a MoE layer of the tiny model run forward and backward by 2 gloo ranks at ep = 2
+    (``parallel.ep_dispatcher``: its exchanges, the counts it sends first, its sorting and gathering on the host)
+    minus the same layer with every expert local, over the planner's calls per layer (dispatch + combine, each
+    direction). The host work is the extra CPU time of the process (all its threads), the waiting the rest of
+    the extra wall time. The tokens are few, so these are what the planner adds per call (``a2a_latency_us``,
+    hidden by F&B overlap where compute is beside it; ``a2a_host_us``, compute)."""
+    import torch.multiprocessing as mp
+    from configs.schema import compose
+    from tools.plan_costs import ep_traffic
+    with tempfile.TemporaryDirectory() as tmp:
+        out = mp.Manager().dict()
+        mp.spawn(_dispatch_worker, args=(str(Path(tmp) / "store"), reps, out), nprocs=2, join=True)
+    cfg = compose(["+exp=tiny", "parallel.ep=2"])
+    n = 2 * ep_traffic(cfg.model, 2, cfg.parallel.ranks_per_node, 1, cfg.parallel.fp8_dispatch).calls
+    wall = max(0.0, sum(out[(True, d)] - out[(False, d)] for d in ("fwd", "bwd"))) / n
+    host = min(wall, max(0.0, out[(True, "cpu")] - out[(False, "cpu")]) / n)
+    return wall - host, host
+
+
 def measure_link(reps: int) -> tuple[float, float]:
     """(latency in us, GB/s) of a 2-rank gloo all-reduce on this machine, the planner's model of it:
     latency + bytes / bandwidth."""
@@ -132,7 +213,9 @@ def measure_link(reps: int) -> tuple[float, float]:
     return small * 1e6, 16 * 2**20 / max(big - small, 1e-9) / 1e9
 
 
-def run_layout(over: list[str], steps: int, tmp: Path) -> float:
+def run_layout(over: list[str], steps: int, tmp: Path) -> dict[str, float]:
+    """Median over the steps after the first two of rank 0's ``metrics.jsonl`` numbers (``step_time_s`` and
+    the pipeline's per-kind action times, ``pipeline_<kind>_s``, and the phase timers' ``time_<phase>_s``)."""
     nproc = 1
     for o in over:
         if o.startswith(("parallel.pp=", "parallel.ep=")):
@@ -146,8 +229,27 @@ def run_layout(over: list[str], steps: int, tmp: Path) -> float:
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r][2:]
-    return statistics.median(times)
+    rows = [r for r in rows if "step_time_s" in r][2:]
+    keys = [k for k in rows[0] if k == "step_time_s" or (k.startswith(("pipeline_", "time_")) and k.endswith("_s"))]
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+
+
+def breakdown(pred, got: dict[str, float]) -> str:
+    """Rank 0's step by phase, predicted / measured: its compute action kinds (B counts full backwards too),
+    its idle time inside the pipeline, and the step outside it (loss reductions, gradient sync, optimizer).
+    Without a pipeline: the predicted phases and the measured phase timers."""
+    if "pipeline_span_s" not in got:
+        return ("predicted " + "  ".join(f"{k} {1e3 * v:.0f}" for k, v in pred.phases.items()) + " ms; measured "
+                + "  ".join(f"{k[5:-2]} {1e3 * v:.0f}" for k, v in got.items() if k.startswith("time_")) + " ms")
+    m = {"F": got.get("pipeline_f_s", 0.0), "B": got.get("pipeline_b_s", 0.0) + got.get("pipeline_bw_s", 0.0),
+         "W": got.get("pipeline_w_s", 0.0), "F&B": got.get("pipeline_fb_s", 0.0)}
+    span = got.get("pipeline_span_s", 0.0)
+    m["idle"] = span - sum(m.values())
+    m["outside"] = got["step_time_s"] - span
+    p = {k: pred.phases.get(k, 0.0) for k in ("F", "B", "W", "F&B")}
+    p["idle"] = pred.phases["bubble"]
+    p["outside"] = pred.step_s - sum(p.values())
+    return "  ".join(f"{k} {1e3 * p[k]:.0f}/{1e3 * m[k]:.0f}" for k in p) + " ms (predicted/measured, rank 0)"
 
 
 def main() -> int:
@@ -162,8 +264,10 @@ def main() -> int:
     measured = measure(args.reps)
     optimizer = measure_optimizer(args.reps)
     latency_us, gb_s = measure_link(max(args.reps, 10))
+    a2a_wait, a2a_host = measure_dispatch(max(args.reps, 10))
     prof = {"name": "CPU (this machine, measured)", "cores": os.cpu_count(), "ib_gb_s": round(gb_s, 3),
-            "nvlink_gb_s": round(gb_s, 3), "gpus_per_node": 1, "a2a_latency_us": round(latency_us, 1),
+            "nvlink_gb_s": round(gb_s, 3), "gpus_per_node": 1, "a2a_latency_us": round(1e6 * a2a_wait, 1),
+            "a2a_host_us": round(1e6 * a2a_host, 1),
             "p2p_latency_us": round(latency_us, 1), "hbm_gb": 24,
             "measured": measured, "optimizer_s_per_param": optimizer,
             "sources": [f"bench/plan_calibrate.py, one process, 1 thread, load {load0[0]:.2f} at start"]}
@@ -173,6 +277,8 @@ def main() -> int:
         print(f"  {k:<12} " + "  ".join(f"{x} {1e6 * v[x]:.2f} us/token" for x in "fbw"))
     print(f"  optimizer    {1e9 * optimizer:.2f} ns/parameter")
     print(f"  gloo link    {latency_us:.0f} us + bytes / {gb_s:.2f} GB/s (2-rank all-reduce)")
+    print(f"  expert a2a   {1e6 * a2a_wait:.0f} us waiting + {1e6 * a2a_host:.0f} us host work per call (the trainer's "
+          "dispatcher at ep = 2 vs all experts local)")
     if not args.check:
         return 0
     from configs.schema import compose
@@ -186,8 +292,10 @@ def main() -> int:
             pred = predict(cfg, hw, world, "bf16", "none")
             before = os.getloadavg()[0]
             got = run_layout(over, args.steps, Path(tmp))
-            print(f"{name:<40} predicted {pred.step_s:.3f} s  measured {got:.3f} s  "
-                  f"({100 * (pred.step_s / got - 1):+.1f}%)  load {before:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)
+            step = got["step_time_s"]
+            print(f"{name:<40} predicted {pred.step_s:.3f} s  measured {step:.3f} s  "
+                  f"({100 * (pred.step_s / step - 1):+.1f}%)  load {before:.2f} -> {os.getloadavg()[0]:.2f}\n"
+                  f"    {breakdown(pred, got)}", flush=True)
     return 0
 
 

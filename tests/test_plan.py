@@ -113,11 +113,48 @@ def test_measured_step_end_adds_the_optimizer_the_twin_sum_and_the_small_collect
     hw = Hardware(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2,
                   optimizer_s_per_param=2e-9, p2p_latency_us=100, ib_gb_s=1.0)
     mem = plan_memory(cfg, 2, "trainer", "none")
-    dims = type("D", (), {"dp": 1, "edp": 1})()
+    dims = type("D", (), {"dp": 1, "edp": 1, "world_size": 2})()
     owned = max(r.params_dense + r.params_expert for r in mem.ranks)
     end = step_end(cfg, hw, mem, dims, {0: 1_000_000, 1: 1_000_000})
     assert end == pytest.approx(2e-9 * owned + 4e6 / 1e9 + 1e-4 + STEP_COLLECTIVES * 1e-4)   # 4 MB at 1 GB/s
     assert step_end(cfg, hw, mem, dims, {}) == pytest.approx(2e-9 * owned + STEP_COLLECTIVES * 1e-4)
+    # 4 ranks on the 2 cores run their optimizer steps at once: each at half speed
+    dims.world_size = 4
+    assert step_end(cfg, hw, mem, dims, {}) == pytest.approx(2 * 2e-9 * owned + STEP_COLLECTIVES * 1e-4)
+
+
+def test_processor_sharing_slows_an_action_by_the_ranks_computing_beside_it():
+    """``tools.plan._sharing``: on 1 core, an action that runs beside another rank's for its whole length
+    takes twice as long; one that runs alone is not slowed; half beside one: 1.5x. Each pipeline rank stands
+    for ``per_pp_rank`` processes (its dp/ep peers, on the same timeline)."""
+    from parallel.pipeline.schedules.actions import Action, Kind
+    from parallel.pipeline.simulator import Simulation, Span
+    from tools.plan import _sharing
+    a, b, c, d = (Action(Kind.F, mb, 0) for mb in range(4))
+    sim = Simulation(spans=[[Span(a, 0.0, 1.0), Span(c, 1.0, 2.0)], [Span(b, 0.0, 1.0), Span(d, 1.5, 2.5)]],
+                     makespan=2.5, busy=[2.0, 2.0], bubble=[0.0, 0.5], peak_activations=[1, 1])
+    k = _sharing(sim, 1, 1)
+    assert (k[id(a)], k[id(b)], k[id(c)], k[id(d)]) == pytest.approx((2.0, 2.0, 1.5, 1.5))
+    assert set(_sharing(sim, 1, 2).values()) == {1.0}            # 2 cores: nobody waits for one
+    assert _sharing(sim, 2, 2)[id(a)] == pytest.approx(2.0)      # 2 processes per pipeline rank: 4 on 2 cores
+
+
+def test_measured_all_to_all_host_work_is_compute_and_its_waiting_can_hide():
+    """A measured profile's per-call all-to-all cost: host work (``a2a_host_us``) adds to each direction's compute
+    of every MoE layer of a stage; waiting (``a2a_latency_us``) is the all-to-all time F&B may hide."""
+    from tools.plan_costs import action_costs
+    cfg = compose(["+exp=tiny", "parallel.ep=2"])
+    per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
+    base = dict(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2,
+                ib_gb_s=1e6, nvlink_gb_s=1e6)
+    parts = model_parts(models.build(cfg.model, "meta"))
+    (plain,), works, traffic, _ = action_costs(cfg, Hardware(**base), parts, "bf16")
+    (host,), *_ = action_costs(cfg, Hardware(**base, a2a_host_us=100.0), parts, "bf16")
+    (wait,), *_ = action_costs(cfg, Hardware(**base, a2a_latency_us=100.0), parts, "bf16")
+    extra = traffic.calls * 1e-4 * works[0].moe_layers
+    assert works[0].moe_layers == 4 and traffic.calls == 2   # 3 MoE layers + the MTP block; dispatch + combine
+    assert (host.f - plain.f, host.b - plain.b, host.w, host.a2a_f) == pytest.approx((extra, extra, plain.w, plain.a2a_f))
+    assert (wait.f, wait.a2a_f - plain.a2a_f, wait.a2a_b - plain.a2a_b) == pytest.approx((plain.f, extra, extra))
 
 
 def test_v3_published_step():

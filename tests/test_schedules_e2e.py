@@ -61,3 +61,9 @@ def test_ramp_under_dualpipe_resumes_mid_ramp(tmp_path, cache):
         phases = {k: v for k, v in m.items() if k.startswith("time_")}
         assert "time_non_finite_stop_check_world_all_reduce_s" not in phases and "time_gradient_reduction_s" in phases
         assert sum(phases.values()) < m["step_time_s"]
+        # rank 0's compute actions by kind: DualPipe's F, F&B (overlap is off at ep = 1: halves in sequence),
+        # B, W and full backwards, inside its span, inside the forward/backward phase
+        kinds = {k: v for k, v in m.items() if k.startswith("pipeline_") and k.endswith("_s") and k != "pipeline_span_s"}
+        assert set(kinds) >= {"pipeline_f_s", "pipeline_fb_s", "pipeline_b_s", "pipeline_w_s"}, sorted(m)
+        assert all(v > 0 for v in kinds.values()), kinds
+        assert sum(kinds.values()) <= m["pipeline_span_s"] <= m["time_forward_backward_s"], m

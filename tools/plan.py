@@ -74,19 +74,35 @@ def _rank0_phases(sim: Simulation, costs: StageCosts) -> tuple[dict, float]:
 
 def _simulate_pipeline(cfg, hw: Hardware, world_size: int, n_micro: int, costs: StageCosts
                        ) -> tuple[Simulation, StageCosts, list[str]]:
-    """The schedule simulated with ``costs``; on a CPU profile with fewer cores than ranks, the processor-sharing
-    slowdown iterated to a fixed point (the costs returned carry it)."""
+    """The schedule simulated with ``costs``; on a CPU profile with fewer cores than ranks, processor sharing:
+    each compute action slowed by the ranks computing beside it (``_sharing``), iterated to a fixed point (the
+    costs returned carry it)."""
     p = cfg.parallel
     schedule = get_schedule(p.schedule, p.pp, n_micro)
     sim = simulate(schedule, costs)
     notes = []
     if hw.cores and world_size > hw.cores:
-        for _ in range(8):
-            busy_ranks = sum(sim.busy) / sim.makespan * world_size / p.pp   # mean ranks computing
-            costs = StageCosts(costs.stages, costs.p2p, costs.overlap, max(1.0, busy_ranks / hw.cores))
+        for _ in range(12):
+            new = _sharing(sim, world_size // p.pp, hw.cores)
+            scale = {a: (costs.scale.get(a, 1.0) + k) / 2 for a, k in new.items()}   # damped: the slowdowns interact
+            costs = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
             sim = simulate(schedule, costs)
-        notes.append(f"{world_size} ranks on {hw.cores} cores: compute slowed x{costs.scale:.2f}")
+        ks = sorted(costs.scale.values())
+        notes.append(f"{world_size} ranks on {hw.cores} cores: compute actions slowed x{ks[0]:.2f}-x{ks[-1]:.2f} "
+                     f"(median x{ks[len(ks) // 2]:.2f}) by the ranks computing beside them")
     return sim, costs, notes
+
+
+def _sharing(sim: Simulation, per_pp_rank: int, cores: int) -> dict[int, float]:
+    """Processor sharing: per compute action (by ``id``), the factor its compute is slowed by: the ranks computing
+    on average during it (itself included; each pipeline rank stands for ``per_pp_rank`` processes of the same
+    timeline, its dp/ep peers) over the cores, at least 1."""
+    spans = [s for rank in sim.spans for s in rank if s.action.is_compute and s.end > s.start]
+    out = {}
+    for s in spans:
+        overlap = sum(max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in spans)
+        out[id(s.action)] = max(1.0, overlap / (s.end - s.start) * per_pp_rank / cores)
+    return out
 
 
 def _single_stage(c: StageCost, hw: Hardware, world_size: int, n_micro: int) -> tuple[float, float, dict]:

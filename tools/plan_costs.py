@@ -65,11 +65,13 @@ class Hardware:
     gpus_per_node: int = 8
     sms: int = 132
     reserved_sms: int = 0
-    a2a_latency_us: float = 0.0
+    a2a_latency_us: float = 0.0         # per all-to-all call, waiting: F&B overlap can hide it
+    a2a_host_us: float = 0.0            # per all-to-all call, host work on the compute cores (measured CPU
+                                        # profiles: the dispatcher's sorting and gathering, the backend's copies)
     p2p_latency_us: float = 0.0
     cores: int = 0                      # measured CPU profiles: cores the ranks share (0: one device per rank)
     measured: dict | None = None        # seconds per token of each component: {component: {f, b, w}}
-    optimizer_s_per_param: float = 0.0  # measured profiles: the trainer's optimizer step per owned parameter
+    optimizer_s_per_param: float = 0.0  # measured profiles: non-finite check + optimizer step, per owned parameter
     sources: list[str] = field(default_factory=list)
 
 
@@ -194,30 +196,32 @@ class StageCost:
 
 class StageCosts:
     """Per-stage costs for ``parallel.pipeline.simulator.simulate`` (which calls ``of(action)`` and reads
-    ``p2p``); the overlap rules of the module doc. ``scale`` slows compute (processor sharing on CPU)."""
+    ``p2p``); the overlap rules of the module doc. ``scale`` slows compute per action (``id(action)`` -> factor;
+    processor sharing on CPU, ``tools.plan``)."""
 
-    def __init__(self, stages: list[StageCost], p2p: float, overlap: bool, scale: float = 1.0):
-        self.stages, self.p2p, self.overlap, self.scale = stages, p2p, overlap, scale
+    def __init__(self, stages: list[StageCost], p2p: float, overlap: bool, scale: dict[int, float] | None = None):
+        self.stages, self.p2p, self.overlap, self.scale = stages, p2p, overlap, scale or {}
 
-    def parts(self, kind: Kind, s: int) -> tuple[float, float]:
-        """(compute, exposed all-to-all) of a plain action."""
-        c, k = self.stages[s], self.scale
+    def parts(self, kind: Kind, s: int, k: float = 1.0) -> tuple[float, float]:
+        """(compute, exposed all-to-all) of a plain action, its compute slowed ``k`` times."""
+        c = self.stages[s]
         return {Kind.F: (k * c.f, c.a2a_f), Kind.B: (k * c.b, c.a2a_b), Kind.W: (k * c.w, 0.0),
                 Kind.BW: (k * (c.b + c.w), c.a2a_b)}[kind]
 
-    def fb_parts(self, sf: int, sb: int) -> tuple[float, float]:
-        f, af = self.parts(Kind.F, sf)
-        bw, ab = self.parts(Kind.BW, sb)
+    def fb_parts(self, sf: int, sb: int, k: float = 1.0) -> tuple[float, float]:
+        f, af = self.parts(Kind.F, sf, k)
+        bw, ab = self.parts(Kind.BW, sb, k)
         if not self.overlap:
             return f + bw, af + ab
         exposed = max(max(0.0, af - bw) + max(0.0, ab - f), af + ab - (f + bw))
         return f + bw, exposed
 
     def split(self, a) -> tuple[float, float]:
+        k = self.scale.get(id(a), 1.0)
         if a.kind is Kind.FB:
-            return self.fb_parts(a.stage, a.bwd.stage)
+            return self.fb_parts(a.stage, a.bwd.stage, k)
         if a.kind in (Kind.F, Kind.B, Kind.W, Kind.BW):
-            return self.parts(a.kind, a.stage)
+            return self.parts(a.kind, a.stage, k)
         return 0.0, 0.0
 
     def of(self, a) -> float:
@@ -266,7 +270,8 @@ def action_costs(cfg, hw: Hardware, parts, precision: str = "fp8", recompute: st
     for w in works:
         f, b, wg = (measured_seconds(w, T, hw) if hw.measured
                     else gpu_seconds(w, T, hw, precision, recompute, p.ep > 1))
-        costs.append(StageCost(f, b, wg, a2a_f * w.moe_layers, a2a_b * w.moe_layers))
+        host = traffic.calls * hw.a2a_host_us * 1e-6 * w.moe_layers   # per direction: compute, never hidden
+        costs.append(StageCost(f + host, b + host, wg, a2a_f * w.moe_layers, a2a_b * w.moe_layers))
     act_bytes = 4 if hw.measured else 2
     p2p = hw.p2p_latency_us * 1e-6 + T * m.dim * act_bytes / (hw.ib_gb_s * GB)
     return costs, works, traffic, p2p
@@ -286,12 +291,15 @@ def step_end(cfg, hw: Hardware, mem_plan, dims, replicated: dict[int, int] | Non
     for r in mem_plan.ranks:
         dense, expert = r.params_dense, r.params_expert
         ring = lambda n, nbytes: 0.0 if n == 1 else (n - 1) / n * nbytes / (hw.ib_gb_s * GB)  # noqa: E731
-        comm = 2 * (ring(dims.dp, 2 * dense) + ring(dims.edp, 2 * expert))   # RS + AG, or one all-reduce
+        grad_bytes = 4 if hw.measured else 2   # this trainer's CPU runs reduce FP32 gradients; DeepSeek BF16
+        comm = 2 * (ring(dims.dp, grad_bytes * dense) + ring(dims.edp, grad_bytes * expert))   # RS + AG, or one AR
         owned = (dense / dims.dp + expert / dims.edp) if cfg.parallel.zero >= 1 else dense + expert
         if hw.measured:
             twins = (replicated or {}).get(r.pp_rank, 0)
             sync = 2 * ring(2, 4 * twins) + hw.p2p_latency_us * 1e-6 if twins else 0.0
-            update = hw.optimizer_s_per_param * owned + sync + STEP_COLLECTIVES * hw.p2p_latency_us * 1e-6
+            # every rank runs its step end at once (the collectives line them up): ranks beyond the cores share them
+            sharing = max(1.0, dims.world_size / hw.cores) if hw.cores else 1.0
+            update = sharing * hw.optimizer_s_per_param * owned + sync + STEP_COLLECTIVES * hw.p2p_latency_us * 1e-6
         else:
             update = 24 * owned / (hw.hbm_tb_s * 1e12)
         worst = max(worst, comm + update)

@@ -320,11 +320,13 @@ class Trainer:
         return metrics
 
     def _pipeline_metrics(self) -> dict:
-        """This rank's (rank 0's, in the log) measured bubble share and the simulator's prediction."""
+        """This rank's (rank 0's, in the log) measured bubble share, the simulator's prediction, and its time
+        in each kind of compute action (``pipeline_<kind>_s``; what ``tools.plan`` predicts per action kind)."""
         if self.pipe is None:
             return {}
         measured, simulated = self.pipe.bubble()
-        return {"pipeline_bubble_measured": measured, "pipeline_bubble_simulated": simulated}
+        times = {f"pipeline_{k}_s": v for k, v in self.pipe.action_times().items()}
+        return {"pipeline_bubble_measured": measured, "pipeline_bubble_simulated": simulated, **times}
 
     def _ep_metrics(self) -> dict:
         """Dispatcher counters of this step over all MoE layers (summed/maxed over ranks), then reset."""

@@ -69,6 +69,12 @@ class PipelineRunner:
         dist.all_reduce(out, group=self.dims.group("pp"))
         return out
 
+    def action_times(self) -> dict[str, float]:
+        """This rank's seconds in the last step's compute actions, per kind (``f``, ``b``, ``w``, ``bw``,
+        ``fb``: each kind it ran), and ``span``: from its first compute action's start to its last's end."""
+        out = {k.name.lower(): sum(v) for k, v in self.executor.durations.items() if v}
+        return {**out, "span": self.executor.span_s}
+
     def bubble(self) -> tuple[float, float]:
         """(measured, simulated) bubble fraction of this rank for the last step. Measured: idle share
         between this rank's first and last compute action (waits on receives and on peers' collectives).
