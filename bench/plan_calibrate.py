@@ -10,7 +10,8 @@ each layer alone, the head + MTP alone. Its GEMM modules defer their weight grad
 timed as the pipeline executor runs it: forward (F), B (``WeightGradQueue.backward``: the stage input's and
 the non-GEMM parameters' gradients, dW GEMMs queued, graph freed) and W (``WeightGradQueue.run``: the queued
 GEMMs only), in a pipeline's order (the forwards of a few micro-batches, then their backwards in
-reverse), median over ``--reps`` rounds; seconds per token per component go into the profile's ``measured``, and
+reverse), median over ``--reps`` rounds; seconds per token per component go into the profile's ``measured``, their
+spread between micro-batches into ``action_cv``, and
 the trainer's step end (one rank: non-finite check, norm, clipping, AdamW) per parameter into
 ``optimizer_s_per_param``.
 The link (latency and bandwidth of every collective and p2p in the profile) is a 2-process gloo all-reduce
@@ -47,7 +48,7 @@ LAYOUTS = {
 }
 
 
-def measure(reps: int) -> dict:
+def measure(reps: int) -> tuple[dict, float]:
     import models
     from parallel.pipeline.stages import Stage
     from parallel.wgrad import WeightGradQueue, apply_deferred_wgrad
@@ -94,8 +95,14 @@ def measure(reps: int) -> dict:
         if r == 0:   # the first round is a warm-up
             times = {name: {k: [] for k in "fbw"} for name in pieces}
     # per component: the median over its stages and micro-batches (the MoE layers are alike, as are the dense ones)
-    return {name: {k: statistics.median(v) / (B * T) for k, v in t.items()} if pieces[name] else {"f": 0, "b": 0, "w": 0}
-            for name, t in times.items()}
+    per_token = {name: {k: statistics.median(v) / (B * T) for k, v in t.items()} if pieces[name]
+                 else {"f": 0, "b": 0, "w": 0} for name, t in times.items()}
+    # how much one action's time varies between micro-batches: the coefficients of variation of the components'
+    # F, B and W, weighted by their times (the embedding, a few microseconds, would only add timer noise)
+    spread = [(statistics.mean(v), statistics.pstdev(v) / statistics.mean(v))
+              for name, t in times.items() if pieces[name] and name != "embed" for v in t.values()]
+    cv = sum(m * c for m, c in spread) / sum(m for m, _ in spread)
+    return per_token, cv
 
 
 def measure_optimizer(reps: int) -> float:
@@ -261,7 +268,7 @@ def main() -> int:
     args = ap.parse_args()
     import yaml
     load0 = os.getloadavg()
-    measured = measure(args.reps)
+    measured, cv = measure(args.reps)
     optimizer = measure_optimizer(args.reps)
     latency_us, gb_s = measure_link(max(args.reps, 10))
     a2a_wait, a2a_host = measure_dispatch(max(args.reps, 10))
@@ -269,12 +276,13 @@ def main() -> int:
             "nvlink_gb_s": round(gb_s, 3), "gpus_per_node": 1, "a2a_latency_us": round(1e6 * a2a_wait, 1),
             "a2a_host_us": round(1e6 * a2a_host, 1),
             "p2p_latency_us": round(latency_us, 1), "hbm_gb": 24,
-            "measured": measured, "optimizer_s_per_param": optimizer,
+            "action_cv": round(cv, 3), "measured": measured, "optimizer_s_per_param": optimizer,
             "sources": [f"bench/plan_calibrate.py, one process, 1 thread, load {load0[0]:.2f} at start"]}
     Path(args.out).write_text(yaml.safe_dump(prof, sort_keys=False))
     print(f"load {load0}; wrote {args.out}")
     for k, v in measured.items():
         print(f"  {k:<12} " + "  ".join(f"{x} {1e6 * v[x]:.2f} us/token" for x in "fbw"))
+    print(f"  variation    {cv:.1%} (an action's time between micro-batches, coefficient of variation)")
     print(f"  optimizer    {1e9 * optimizer:.2f} ns/parameter")
     print(f"  gloo link    {latency_us:.0f} us + bytes / {gb_s:.2f} GB/s (2-rank all-reduce)")
     print(f"  expert a2a   {1e6 * a2a_wait:.0f} us waiting + {1e6 * a2a_host:.0f} us host work per call (the trainer's "

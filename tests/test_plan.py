@@ -139,6 +139,20 @@ def test_processor_sharing_slows_an_action_by_the_ranks_computing_beside_it():
     assert _sharing(sim, 2, 2)[id(a)] == pytest.approx(2.0)      # 2 processes per pipeline rank: 4 on 2 cores
 
 
+def test_varying_action_times_cost_a_tightly_coupled_pipeline_time():
+    """``Hardware.action_cv``: actions whose times vary make a rank wait for a late peer; DualPipe pp=2 (both ranks
+    busy all the time) gets slower, reproducibly (seeded); without variation the prediction is the even one."""
+    cfg = compose(["+exp=tiny", "parallel.pp=2", "parallel.schedule=dualpipe"])
+    per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
+    base = dict(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2)
+    even = predict(cfg, Hardware(**base), 2, "bf16", "none")
+    varied = [predict(cfg, Hardware(**base, action_cv=0.1), 2, "bf16", "none") for _ in range(2)]
+    assert varied[0].pipeline_s == varied[1].pipeline_s                      # seeded
+    assert even.pipeline_s * 1.01 < varied[0].pipeline_s < even.pipeline_s * 1.3, (even.pipeline_s, varied[0].pipeline_s)
+    assert varied[0].bubble_s > even.bubble_s
+    assert any("varying by 10%" in n for n in varied[0].notes) and not any("varying" in n for n in even.notes)
+
+
 def test_measured_all_to_all_host_work_is_compute_and_its_waiting_can_hide():
     """A measured profile's per-call all-to-all cost: host work (``a2a_host_us``) adds to each direction's compute
     of every MoE layer of a stage; waiting (``a2a_latency_us``) is the all-to-all time F&B may hide."""

@@ -13,12 +13,15 @@ schedule (``parallel.pipeline.schedules``) run through ``parallel.pipeline.simul
 per-stage action costs from ``tools.plan_costs.action_costs`` (the cost model is in that module's doc);
 the step is the simulated makespan plus the step end (ZeRO reduce-scatter / all-gather and the optimizer,
 ``tools.plan_costs.step_end``). Memory is ``tools.size.plan_memory``. A profile with ``cores`` (CPU)
-adds processor sharing: ranks > cores slow compute by (mean busy ranks / cores), iterated to a fixed point.
+adds processor sharing: with more ranks than cores, each compute action is slowed by the ranks computing
+during it over the cores (``_sharing``), iterated to a fixed point. A profile with ``action_cv`` varies each
+action's time at random (seeded) and takes the median of several simulations: ranks wait for late peers.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import random
 import sys
 from dataclasses import dataclass, field
 
@@ -72,11 +75,17 @@ def _rank0_phases(sim: Simulation, costs: StageCosts) -> tuple[dict, float]:
     return phases, exposed
 
 
+VARIATION_SAMPLES = 16   # simulations with random action times (``Hardware.action_cv``) whose median step is taken
+
+
 def _simulate_pipeline(cfg, hw: Hardware, world_size: int, n_micro: int, costs: StageCosts
                        ) -> tuple[Simulation, StageCosts, list[str]]:
     """The schedule simulated with ``costs``; on a CPU profile with fewer cores than ranks, processor sharing:
-    each compute action slowed by the ranks computing beside it (``_sharing``), iterated to a fixed point (the
-    costs returned carry it)."""
+    each compute action slowed by the ranks computing beside it (``_sharing``), iterated to a fixed point. With
+    ``hw.action_cv``, each action's time also varies at random around its cost, as measured actions do, and the
+    simulation with the median makespan of ``VARIATION_SAMPLES`` (seeded: the prediction is reproducible) is
+    the one returned: a rank that waits for a late peer loses time an even schedule does not show. The costs
+    returned carry the slowdowns."""
     p = cfg.parallel
     schedule = get_schedule(p.schedule, p.pp, n_micro)
     sim = simulate(schedule, costs)
@@ -90,6 +99,19 @@ def _simulate_pipeline(cfg, hw: Hardware, world_size: int, n_micro: int, costs: 
         ks = sorted(costs.scale.values())
         notes.append(f"{world_size} ranks on {hw.cores} cores: compute actions slowed x{ks[0]:.2f}-x{ks[-1]:.2f} "
                      f"(median x{ks[len(ks) // 2]:.2f}) by the ranks computing beside them")
+    if hw.action_cv > 0:
+        even = sim.makespan
+        runs = []
+        for seed in range(VARIATION_SAMPLES):
+            rng = random.Random(seed)
+            scale = {id(a): costs.scale.get(id(a), 1.0) * max(0.5, rng.gauss(1.0, hw.action_cv))
+                     for actions in schedule for a in actions if a.is_compute}
+            varied = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
+            runs.append((simulate(schedule, varied), varied))
+        runs.sort(key=lambda r: r[0].makespan)
+        sim, costs = runs[len(runs) // 2]
+        notes.append(f"action times varying by {hw.action_cv:.0%} (coefficient of variation): pipeline "
+                     f"{1e3 * even:.1f} -> {1e3 * sim.makespan:.1f} ms (median of {VARIATION_SAMPLES})")
     return sim, costs, notes
 
 

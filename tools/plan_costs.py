@@ -28,9 +28,12 @@ Step end: ZeRO-1/2 reduce-scatter of the gradients (BF16) and all-gather of the 
 dp (dense) and edp (experts), ring cost (n-1)/n x bytes / ib; ZeRO-0 an all-reduce of the same bytes;
 the AdamW update reads and writes 24 bytes per owned parameter at HBM bandwidth.
 A measured profile (CPU, ``bench/plan_calibrate.py``) replaces FLOPs/peak by seconds per token of each
-component (embedding, dense layer, MoE layer, head + MTP); its p2p carries fp32 activations (4 bytes); its
-step end is this trainer's: the optimizer at its measured seconds per parameter, the FP32 all-reduce of the
-parameters two pipeline ranks hold, and the step's small all-reduces at the link's latency.
+component (embedding, dense layer, MoE layer, head + MTP); its p2p carries fp32 activations (4 bytes); an
+all-to-all call adds its measured host work to the compute (``a2a_host_us``: the dispatcher's sorting and the
+backend's copies, on the same cores; never hidden) and its measured waiting as the latency; its step end is
+this trainer's: the non-finite check and the optimizer at their measured seconds per parameter (shared like
+compute when ranks outnumber cores), the FP32 all-reduce of the parameters two pipeline ranks hold, FP32
+gradient reductions over dp, and the step's small all-reduces at the link's latency.
 """
 from __future__ import annotations
 
@@ -70,6 +73,8 @@ class Hardware:
                                         # profiles: the dispatcher's sorting and gathering, the backend's copies)
     p2p_latency_us: float = 0.0
     cores: int = 0                      # measured CPU profiles: cores the ranks share (0: one device per rank)
+    action_cv: float = 0.0              # an action's time from one micro-batch to the next: coefficient of
+                                        # variation (measured profiles: the calibration's repeats; 0: constant)
     measured: dict | None = None        # seconds per token of each component: {component: {f, b, w}}
     optimizer_s_per_param: float = 0.0  # measured profiles: non-finite check + optimizer step, per owned parameter
     sources: list[str] = field(default_factory=list)
