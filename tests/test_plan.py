@@ -124,19 +124,19 @@ def test_measured_step_end_adds_the_optimizer_the_twin_sum_and_the_small_collect
 
 
 def test_processor_sharing_slows_an_action_by_the_ranks_computing_beside_it():
-    """``tools.plan._sharing``: on 1 core, an action that runs beside another rank's for its whole length
+    """``tools.plan_costs.sharing``: on 1 core, an action that runs beside another rank's for its whole length
     takes twice as long; one that runs alone is not slowed; half beside one: 1.5x. Each pipeline rank stands
     for ``per_pp_rank`` processes (its dp/ep peers, on the same timeline)."""
     from parallel.pipeline.schedules.actions import Action, Kind
     from parallel.pipeline.simulator import Simulation, Span
-    from tools.plan import _sharing
+    from tools.plan_costs import sharing
     a, b, c, d = (Action(Kind.F, mb, 0) for mb in range(4))
     sim = Simulation(spans=[[Span(a, 0.0, 1.0), Span(c, 1.0, 2.0)], [Span(b, 0.0, 1.0), Span(d, 1.5, 2.5)]],
                      makespan=2.5, busy=[2.0, 2.0], bubble=[0.0, 0.5], peak_activations=[1, 1])
-    k = _sharing(sim, 1, 1)
+    k = sharing(sim, 1, 1)
     assert (k[id(a)], k[id(b)], k[id(c)], k[id(d)]) == pytest.approx((2.0, 2.0, 1.5, 1.5))
-    assert set(_sharing(sim, 1, 2).values()) == {1.0}            # 2 cores: nobody waits for one
-    assert _sharing(sim, 2, 2)[id(a)] == pytest.approx(2.0)      # 2 processes per pipeline rank: 4 on 2 cores
+    assert set(sharing(sim, 1, 2).values()) == {1.0}            # 2 cores: nobody waits for one
+    assert sharing(sim, 2, 2)[id(a)] == pytest.approx(2.0)      # 2 processes per pipeline rank: 4 on 2 cores
 
 
 def test_varying_action_times_cost_a_tightly_coupled_pipeline_time():

@@ -14,14 +14,13 @@ per-stage action costs from ``tools.plan_costs.action_costs`` (the cost model is
 the step is the simulated makespan plus the step end (ZeRO reduce-scatter / all-gather and the optimizer,
 ``tools.plan_costs.step_end``). Memory is ``tools.size.plan_memory``. A profile with ``cores`` (CPU)
 adds processor sharing: with more ranks than cores, each compute action is slowed by the ranks computing
-during it over the cores (``_sharing``), iterated to a fixed point. A profile with ``action_cv`` varies each
+during it over the cores (``tools.plan_costs.sharing``), iterated to a fixed point. A profile with ``action_cv`` varies each
 action's time at random (seeded) and takes the median of several simulations: ranks wait for late peers.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import random
 import sys
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
 from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, load_hardware,
-                              step_end)
+                              simulate_layout, step_end)
 from tools.schedule import draw
 from tools.size import FLOOR, GB, check_layout, model_parts, plan_memory
 
@@ -75,58 +74,6 @@ def _rank0_phases(sim: Simulation, costs: StageCosts) -> tuple[dict, float]:
     return phases, exposed
 
 
-VARIATION_SAMPLES = 16   # simulations with random action times (``Hardware.action_cv``) whose median step is taken
-
-
-def _simulate_pipeline(cfg, hw: Hardware, world_size: int, n_micro: int, costs: StageCosts
-                       ) -> tuple[Simulation, StageCosts, list[str]]:
-    """The schedule simulated with ``costs``; on a CPU profile with fewer cores than ranks, processor sharing:
-    each compute action slowed by the ranks computing beside it (``_sharing``), iterated to a fixed point. With
-    ``hw.action_cv``, each action's time also varies at random around its cost, as measured actions do, and the
-    simulation with the median makespan of ``VARIATION_SAMPLES`` (seeded: the prediction is reproducible) is
-    the one returned: a rank that waits for a late peer loses time an even schedule does not show. The costs
-    returned carry the slowdowns."""
-    p = cfg.parallel
-    schedule = get_schedule(p.schedule, p.pp, n_micro)
-    sim = simulate(schedule, costs)
-    notes = []
-    if hw.cores and world_size > hw.cores:
-        for _ in range(12):
-            new = _sharing(sim, world_size // p.pp, hw.cores)
-            scale = {a: (costs.scale.get(a, 1.0) + k) / 2 for a, k in new.items()}   # damped: the slowdowns interact
-            costs = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
-            sim = simulate(schedule, costs)
-        ks = sorted(costs.scale.values())
-        notes.append(f"{world_size} ranks on {hw.cores} cores: compute actions slowed x{ks[0]:.2f}-x{ks[-1]:.2f} "
-                     f"(median x{ks[len(ks) // 2]:.2f}) by the ranks computing beside them")
-    if hw.action_cv > 0:
-        even = sim.makespan
-        runs = []
-        for seed in range(VARIATION_SAMPLES):
-            rng = random.Random(seed)
-            scale = {id(a): costs.scale.get(id(a), 1.0) * max(0.5, rng.gauss(1.0, hw.action_cv))
-                     for actions in schedule for a in actions if a.is_compute}
-            varied = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
-            runs.append((simulate(schedule, varied), varied))
-        runs.sort(key=lambda r: r[0].makespan)
-        sim, costs = runs[len(runs) // 2]
-        notes.append(f"action times varying by {hw.action_cv:.0%} (coefficient of variation): pipeline "
-                     f"{1e3 * even:.1f} -> {1e3 * sim.makespan:.1f} ms (median of {VARIATION_SAMPLES})")
-    return sim, costs, notes
-
-
-def _sharing(sim: Simulation, per_pp_rank: int, cores: int) -> dict[int, float]:
-    """Processor sharing: per compute action (by ``id``), the factor its compute is slowed by: the ranks computing
-    on average during it (itself included; each pipeline rank stands for ``per_pp_rank`` processes of the same
-    timeline, its dp/ep peers) over the cores, at least 1."""
-    spans = [s for rank in sim.spans for s in rank if s.action.is_compute and s.end > s.start]
-    out = {}
-    for s in spans:
-        overlap = sum(max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in spans)
-        out[id(s.action)] = max(1.0, overlap / (s.end - s.start) * per_pp_rank / cores)
-    return out
-
-
 def _single_stage(c: StageCost, hw: Hardware, world_size: int, n_micro: int) -> tuple[float, float, dict]:
     """pp 1: (step compute, exposed all-to-all, phases) of ``n_micro`` micro-batches back to back."""
     scale = max(1.0, world_size / hw.cores) if hw.cores else 1.0
@@ -146,7 +93,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     n_micro = max(1, t.global_batch_size // (t.micro_batch_size * dims.dp))
     overlap = p.fb_overlap or not hw.measured   # GPU plans assume the overlapped F&B; CPU runs follow the trainer
     if p.pp > 1:
-        sim, sc, notes = _simulate_pipeline(cfg, hw, world_size, n_micro, StageCosts(stage_costs, p2p, overlap))
+        sim, sc, notes = simulate_layout(cfg, hw, world_size, n_micro, StageCosts(stage_costs, p2p, overlap))
         pipeline, bubble = sim.makespan, sim.bubble[0]
         phases, exposed = _rank0_phases(sim, sc)
     else:

@@ -38,12 +38,14 @@ gradient reductions over dp, and the step's small all-reduces at the link's late
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
-from parallel.pipeline.schedules import Kind
+from parallel.pipeline.schedules import Kind, get_schedule
+from parallel.pipeline.simulator import Simulation, simulate
 from tools.size import GB, activation_bytes_per_token, n_stages, split_layers
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
@@ -309,3 +311,56 @@ def step_end(cfg, hw: Hardware, mem_plan, dims, replicated: dict[int, int] | Non
             update = 24 * owned / (hw.hbm_tb_s * 1e12)
         worst = max(worst, comm + update)
     return worst
+
+
+# ---- the schedule on these costs: processor sharing, varying actions ----------------------------------------
+VARIATION_SAMPLES = 16   # simulations with random action times (``Hardware.action_cv``) whose median step is taken
+
+
+def simulate_layout(cfg, hw: Hardware, world_size: int, n_micro: int, costs: StageCosts
+                       ) -> tuple[Simulation, StageCosts, list[str]]:
+    """The schedule simulated with ``costs``; on a CPU profile with fewer cores than ranks, processor sharing:
+    each compute action slowed by the ranks computing beside it (``sharing``), iterated to a fixed point. With
+    ``hw.action_cv``, each action's time also varies at random around its cost, as measured actions do, and the
+    simulation with the median makespan of ``VARIATION_SAMPLES`` (seeded: the prediction is reproducible) is
+    the one returned: a rank that waits for a late peer loses time an even schedule does not show. The costs
+    returned carry the slowdowns."""
+    p = cfg.parallel
+    schedule = get_schedule(p.schedule, p.pp, n_micro)
+    sim = simulate(schedule, costs)
+    notes = []
+    if hw.cores and world_size > hw.cores:
+        for _ in range(12):
+            new = sharing(sim, world_size // p.pp, hw.cores)
+            scale = {a: (costs.scale.get(a, 1.0) + k) / 2 for a, k in new.items()}   # damped: the slowdowns interact
+            costs = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
+            sim = simulate(schedule, costs)
+        ks = sorted(costs.scale.values())
+        notes.append(f"{world_size} ranks on {hw.cores} cores: compute actions slowed x{ks[0]:.2f}-x{ks[-1]:.2f} "
+                     f"(median x{ks[len(ks) // 2]:.2f}) by the ranks computing beside them")
+    if hw.action_cv > 0:
+        even = sim.makespan
+        runs = []
+        for seed in range(VARIATION_SAMPLES):
+            rng = random.Random(seed)
+            scale = {id(a): costs.scale.get(id(a), 1.0) * max(0.5, rng.gauss(1.0, hw.action_cv))
+                     for actions in schedule for a in actions if a.is_compute}
+            varied = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
+            runs.append((simulate(schedule, varied), varied))
+        runs.sort(key=lambda r: r[0].makespan)
+        sim, costs = runs[len(runs) // 2]
+        notes.append(f"action times varying by {hw.action_cv:.0%} (coefficient of variation): pipeline "
+                     f"{1e3 * even:.1f} -> {1e3 * sim.makespan:.1f} ms (median of {VARIATION_SAMPLES})")
+    return sim, costs, notes
+
+
+def sharing(sim: Simulation, per_pp_rank: int, cores: int) -> dict[int, float]:
+    """Processor sharing: per compute action (by ``id``), the factor its compute is slowed by: the ranks computing
+    on average during it (itself included; each pipeline rank stands for ``per_pp_rank`` processes of the same
+    timeline, its dp/ep peers) over the cores, at least 1."""
+    spans = [s for rank in sim.spans for s in rank if s.action.is_compute and s.end > s.start]
+    out = {}
+    for s in spans:
+        overlap = sum(max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in spans)
+        out[id(s.action)] = max(1.0, overlap / (s.end - s.start) * per_pp_rank / cores)
+    return out
