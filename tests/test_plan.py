@@ -171,6 +171,24 @@ def test_measured_all_to_all_host_work_is_compute_and_its_waiting_can_hide():
     assert (wait.f, wait.a2a_f - plain.a2a_f, wait.a2a_b - plain.a2a_b) == pytest.approx((plain.f, extra, extra))
 
 
+def test_v3_recipe_memory_fits_deepseeks_layout_and_not_the_earlier_winners():
+    """Acceptance 3's memory side: the itemized estimate of V3's recipe (``tools.activations.v3_recipe_bytes``)
+    keeps 164 KB per token in a MoE layer; DeepSeek's layout fits 90 % of 80 GB with it, while pp4 DualPipe ZeRO-2
+    and pp8 DualPipe ZeRO-2 (first under the old floor-of-recompute bound) do not: ZeRO-2 under a pipeline keeps
+    full gradients."""
+    from tools.activations import v3_recipe_bytes
+    from tools.plan import V3_LAYOUT, V3_WORLD
+    b = v3_recipe_bytes(compose(["model=v3_671b"]).model)
+    assert b["moe_layer"] == pytest.approx(164.3e3, rel=1e-3) and b["dense_layer"] == pytest.approx(103.9e3, rel=1e-3)
+    from tools.plan_costs import load_hardware
+    hw = load_hardware("h800")
+    model = models.build(compose(V3_LAYOUT).model, "meta")
+    assert predict(compose(V3_LAYOUT), hw, V3_WORLD, "fp8", "v3", model=model).fits
+    for pp in (4, 8):
+        cfg = compose([*V3_LAYOUT, f"parallel.pp={pp}", "parallel.zero=2"])
+        assert not predict(cfg, hw, V3_WORLD, "fp8", "v3", model=model).fits, pp
+
+
 def test_v3_published_step():
     """Acceptance 1: DeepSeek-V3 (2048 H800, PP16 DualPipe, EP64, ZeRO-1) vs ISCA'25 Table 4."""
     pred, rows = v3_check("h800")

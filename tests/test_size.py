@@ -82,6 +82,10 @@ def test_layouts_pp1_zero2_and_1f1b_embedding_copy():
                         world_size=16)                            # dp 16, ep 8, edp 2
     r = zero2.ranks[0]
     assert r.grads == pytest.approx(4 * (r.params_dense / 16 + r.params_expert / 2))
+    # with a pipeline ZeRO-2 keeps full gradients over the step's micro-batches (reduced at the step, as ZeRO-1)
+    piped = plan_memory(compose_cfg(*base, "parallel.zero=2", "parallel.pp=2", "parallel.schedule=1f1b",
+                                    "train.global_batch_size=8"), world_size=4)
+    assert all(r.grads == pytest.approx(4 * r.params) for r in piped.ranks)
     one_f = plan_memory(compose_cfg(*base, "parallel.pp=2", "parallel.schedule=1f1b", "train.global_batch_size=8"),
                         world_size=2)
     assert "tied embedding copy for MTP" in one_f.ranks[1].notes   # last stage borrows no embedding: a copy

@@ -67,14 +67,16 @@ def _memory_worker(rank, world):
     from tests.trainer_utils import make_config
     import models
     out = {}
-    for zero, ep, weights in ((0, 1, "fp32"), (1, 1, "fp32"), (2, 2, "fp32"), (1, 1, "bf16")):
+    for zero, ep, weights, pp in ((0, 1, "fp32", 1), (1, 1, "fp32", 1), (2, 2, "fp32", 1), (1, 1, "bf16", 1),
+                                  (2, 1, "fp32", 2)):
         cfg = make_config(f"parallel.zero={zero}")
         cfg.parallel.ep = ep   # make_config validates for one process; the layout is this world's
-        dims = ParallelDims(world_size=world, rank=rank, ep=ep).build_groups()
+        dims = ParallelDims(world_size=world, rank=rank, ep=ep, pp=pp).build_groups()
         model = apply_ep(models.build(cfg.model, seed=0), dims)
         p = cfg.parallel
         rep = build_optimizer(model, cfg.optim, dims, p.zero, p.zero_backend, p.zero_bucket_mb, weights=weights).memory()
-        out[(zero, ep) if weights == "fp32" else weights] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params,
+        key = (zero, ep) if pp == 1 else (zero, ep, pp)
+        out[key if weights == "fp32" else weights] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params,
                            moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend),
                            rep.line())
     measured0, formula0, n_dense, n_expert, _, _ = out[(0, 1)]
@@ -100,6 +102,11 @@ def _memory_worker(rank, world):
     measured_b, formula_b, *_ = out["bf16"]
     assert measured_b["params"] == formula_b["params"] == 2 * n and formula_b["master"] == formula1["master"]
     assert measured_b["grads"] == formula_b["grads"] == 4 * n and measured_b["master"] == measured1["master"]
+    # ZeRO-2 under a pipeline (pp=2, dp=2): the executor accumulates full gradients over the step, reduced at
+    # the step as ZeRO-1; only the optimizer state is sharded
+    measured_p, formula_p, n_d, n_e, _, _ = out[(2, 1, 2)]
+    assert measured_p["grads"] == formula_p["grads"] == 4 * (n_d + n_e)
+    assert math.isclose(measured_p["optim"], 2 * 2 * (n_d + n_e) / 2, rel_tol=0.02)   # bf16 moments, dp=2
 
 
 def test_memory_accounting_dp4(tmp_path):

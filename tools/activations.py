@@ -60,6 +60,43 @@ from models.config import ModelConfig
 # Planning only (tools.plan's bound for DeepSeek-V3's own recipe), not a train.recompute mode: each layer keeps
 # just its input -- the least any recomputation can keep; this trainer's full keeps more in MoE layers.
 FLOOR = "floor"
+# Planning only: an estimate of what DeepSeek-V3's own recipe keeps (report §3.2.2, §3.3; ``v3_recipe_bytes``).
+V3_RECIPE = "v3_recipe"
+
+
+def v3_recipe_bytes(m: ModelConfig) -> dict:
+    """Bytes per token an estimate of DeepSeek-V3's training recipe saves for backward (BF16 activations; the
+    report says what is recomputed and what is cached in low precision, not every tensor, so each item is an
+    assumption, listed in docs/planner.md):
+      attention: the layer input D*a (RMSNorm recomputed from it), the q and kv latents Q*a + (L + R)*a (their
+        norms and the up-projections recomputed, so q, k, v are not kept), the attention output as wo's input
+        in E5M6 (1.5 bytes + a scale per 128), the flash kernel's log-sum-exp H*f;
+      MoE: the residual D*a (the FFN norm recomputed), the router's scores and choices (as this trainer's),
+        the dispatched rows once in FP8 for w1/w3 (K*c(D), they travel as FP8 anyway), the SwiGLU inputs in
+        FP8 (K*s8(F); the SwiGLU output, w2's input, recomputed), the shared expert likewise; the gate weight
+        scales the SwiGLU output before w2, so the combine keeps no expert outputs (with it applied after w2,
+        as this trainer does, K*D*a more -- 115 KB per token at V3's size -- and V3's layout would not fit 80 GB);
+      dense FFN: the residual, its input in FP8, the SwiGLU inputs in FP8;
+      head: its input D*a, the logits recomputed chunk by chunk in backward (a fused cross-entropy; keeping
+        V*f, 517 KB per token at V3's vocabulary, for one micro-batch of 4096 tokens is 2.1 GB);
+      region: what one layer recomputes at once in backward: two norm outputs, q, k and v, the SwiGLU outputs."""
+    a, f = 2, 4
+    D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
+    Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
+    K, F, E, I = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts, m.inter_dim
+    Fs = F * m.n_shared_experts
+    c = lambda n: n + n / 32                    # noqa: E731  E4M3 + an FP32 scale per 128
+    s8 = lambda n: 2 * (n + n / 32)             # noqa: E731  the SwiGLU's two inputs in FP8
+    attn = D * a + (Q or 0) * a + (L + R) * a + 1.5 * H * V + H * V / 32 + H * f
+    route = E * f + 2 * K * f + 16 * K
+    moe = D * a + route + K * c(D) + K * s8(F) + (c(D) + s8(Fs) if Fs else 0)
+    dense = D * a + c(D) + s8(I)
+    head = D * a
+    qkv = (H * qk + H * (N + V)) * a
+    return {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
+            "mtp": 2 * D * a + attn + moe + head,
+            "dense_region": 2 * D * a + qkv + I * a, "moe_region": 2 * D * a + qkv + (K * F + Fs) * a,
+            "experts_backward": 0}
 
 
 def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False,
@@ -71,7 +108,10 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     kernel's. ``deferred``: the routed experts are ``parallel.wgrad``'s (schedules with B/W actions), which save
     x, h1 and h3 only (2*K*F*a of SwiGLU in none and selective) and hold s1, da, dh1, dh3 and the product
     (5*K*F*a, ``experts_backward``) at once in their backward. ``fp8``: ``train.precision=fp8``'s FP8 linears
-    and experts (``parallel/fp8.py``), whose inputs are saved as FP8 copies. The formulas are in the module doc."""
+    and experts (``parallel/fp8.py``), whose inputs are saved as FP8 copies. The formulas are in the module doc.
+    ``V3_RECIPE``: ``v3_recipe_bytes`` (the other arguments do not apply)."""
+    if recompute == V3_RECIPE:
+        return v3_recipe_bytes(m)
     f = 4
     D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim

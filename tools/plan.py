@@ -35,7 +35,7 @@ from parallel.pipeline.simulator import Costs, Simulation, simulate
 from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, load_hardware,
                               simulate_layout, step_end)
 from tools.schedule import draw
-from tools.size import FLOOR, GB, check_layout, model_parts, plan_memory
+from tools.size import GB, V3_RECIPE, check_layout, model_parts, plan_memory
 
 
 # ---- the prediction --------------------------------------------------------------------------------
@@ -99,11 +99,10 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     else:
         sim, notes, bubble = None, [], 0.0
         pipeline, exposed, phases = _single_stage(stage_costs[0], hw, world_size, n_micro)
-    # tools.size has no model of V3's partial recompute with FP8-cached activations: v3 is sized at the floor of
-    # any recompute, each layer's input (a lower bound: the no-recompute estimate of V3's own layout is 231 GB, yet
-    # it ran on 80 GB); none and full are this trainer's train.recompute modes
+    # v3: an itemized estimate of what DeepSeek-V3's recipe (partial recompute, FP8-cached activations) keeps
+    # (tools.activations.v3_recipe_bytes); none and full are this trainer's train.recompute modes
     mem = plan_memory(cfg, world_size, "v3" if not hw.measured else "trainer",
-                      FLOOR if recompute == "v3" else recompute, model=model)
+                      V3_RECIPE if recompute == "v3" else recompute, model=model)
     end = step_end(cfg, hw, mem, dims, replicated_params(cfg, n_micro, model) if hw.measured else None)
     step = pipeline + end
     tokens = t.global_batch_size * cfg.data.seq_len

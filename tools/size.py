@@ -61,7 +61,7 @@ from parallel.pipeline.simulator import Costs, peak_live, simulate
 from parallel.recompute import MODES as RECOMPUTE
 from parallel.zero import MOMENT_DTYPES, WEIGHT_DTYPES, moment_dtype, weights_for
 from parallel.zero.memory import formula
-from tools.activations import (FLOOR, activation_bytes_per_token, stage_activations,  # noqa: F401 (re-exported)
+from tools.activations import (FLOOR, V3_RECIPE, activation_bytes_per_token, stage_activations,  # noqa: F401
                                stage_wgrad_held)
 
 GB = 1e9
@@ -224,7 +224,7 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     math SDPA (the CPU path) instead of a flash kernel's."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     recompute = t.recompute if recompute is None else recompute
-    if recompute not in (*RECOMPUTE, FLOOR):
+    if recompute not in (*RECOMPUTE, FLOOR, V3_RECIPE):
         raise ConfigError(f"--recompute: {recompute!r} is not one of {', '.join(RECOMPUTE)}")
     dims = dims or check_layout(cfg, world_size or p.pp * p.ep)
     w_b, m_b = recipe_bytes(cfg, recipe)
@@ -239,14 +239,14 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     expert_dw = 3 * m.n_routed_experts // p.ep * m.moe_inter_dim * m.dim * a   # dW1, dW2, dW3 of the local experts
     acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention, deferred, expert_dw,
                              fp8)
-    # held from B to W where the schedule splits them; FLOOR (tools.plan's lower bound for V3) leaves it out
-    wgrad = stage_wgrad_held(m, split, a, tokens) if recompute != FLOOR else [0.0] * len(split)
+    # held from B to W where the schedule splits them; tools.plan's models of V3's recipe leave it out
+    wgrad = stage_wgrad_held(m, split, a, tokens) if recompute not in (FLOOR, V3_RECIPE) else [0.0] * len(split)
     ranks = []
     for r in range(p.pp):
         held = stages_of_rank(schedule, r)
         dense, expert, rnotes = rank_params(parts, split, held, m.mtp_depth)
         expert //= p.ep
-        state = formula(dense, expert, dims.dp, dims.edp, p.zero, m_b, w_b)
+        state = formula(dense, expert, dims.dp, dims.edp, p.zero, m_b, w_b, p.pp)
         saved, working = {s: acts[s][0] for s in held}, max(acts[s][1] for s in held)
         peak = saved[0] if sim is None else peak_live(sim.spans[r], saved.__getitem__, wgrad.__getitem__)
         ranks.append(RankMemory(

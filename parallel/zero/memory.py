@@ -6,7 +6,7 @@ EP), data-parallel size ``dp`` and expert-data-parallel size ``edp = dp / ep``, 
 
                  zero=0            zero=1            zero=2
     parameters   w (P_d + P_e)     w (P_d + P_e)     w (P_d + P_e)      model weights, w bytes each
-    gradients    4 (P_d + P_e)     4 (P_d + P_e)     4 S                fp32 accumulation (zero=2: the shard)
+    gradients    4 (P_d + P_e)     4 (P_d + P_e)     4 S (pp = 1)       fp32 accumulation (zero=2: the shard)
     master       M                 4 S               4 S                fp32 master copy
     optimizer    2 m (P_d + P_e)   2 m S             2 m S              AdamW exp_avg + exp_avg_sq, m bytes each
 
@@ -17,6 +17,9 @@ the master copy without ZeRO: ``M = 0``) and 2 with bf16 / fp8, DeepSeek-V3's BF
 Measured numbers count the tensors the optimizer really allocated (shards are padded to equal size, so they
 can exceed the formula by a few elements per parameter); zero=2 frees each bucket's full gradients after
 its reduce-scatter, so ``gradients`` is what persists across micro-batches (a bucket in flight comes on top).
+With a pipeline (pp > 1) zero=2 keeps full gradients, as zero=1: the executor drives the backward, the
+gradients accumulate over the step's micro-batches (DualPipe's replica sums need them whole) and are
+reduce-scattered once, at the step. Sharding them there would take a reduce-scatter per micro-batch.
 """
 from __future__ import annotations
 
@@ -49,12 +52,12 @@ class MemoryReport:
 
 
 def formula(dense: float, expert: float, dp: int, edp: int, zero: int, moment_bytes: int,
-            weight_bytes: int = 4) -> dict[str, int]:
+            weight_bytes: int = 4, pp: int = 1) -> dict[str, int]:
     """The table above, in bytes per rank."""
     full = dense + expert
     shard = dense / dp + expert / edp
     return {"params": round(weight_bytes * full),
-            "grads": round(4 * (shard if zero >= 2 else full)),
+            "grads": round(4 * (shard if zero >= 2 and pp == 1 else full)),
             "master": round(4 * (shard if zero >= 1 else 0 if weight_bytes == 4 else full)),
             "optim": round(2 * moment_bytes * (shard if zero >= 1 else full))}
 
@@ -64,5 +67,6 @@ def account(model: nn.Module, dims: ParallelDims, zero: int, moment_bytes: int, 
     expert = is_expert_param(model)
     n_dense = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and not expert[n])
     n_expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and expert[n])
-    return MemoryReport(measured, formula(n_dense, n_expert, dims.dp, dims.edp, zero, moment_bytes, weight_bytes),
+    return MemoryReport(measured, formula(n_dense, n_expert, dims.dp, dims.edp, zero, moment_bytes, weight_bytes,
+                                          dims.pp),
                         n_dense, n_expert)

@@ -333,7 +333,8 @@ class ZeroOptimizer:
         n = sum(p.numel() for p in params)
         shard = sum(b.size for b in self.buckets)
         measured = {"params": sum(p.numel() * p.element_size() for p in params),
-                    "grads": 4 * (shard if self.stage == 2 else n),
+                    # stage 2 holds only shards through backward(); under a pipeline full gradients accumulate
+                    "grads": 4 * (shard if self.stage == 2 and self.dims.pp == 1 else n),
                     "master": sum(b.master.numel() * b.master.element_size() for b in self.buckets),
                     "optim": sum((b.exp_avg.numel() + b.exp_avg_sq.numel()) * b.exp_avg.element_size()
                                  for b in self.buckets)}
