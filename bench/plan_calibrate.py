@@ -151,6 +151,16 @@ def _link_worker(rank: int, store: str, reps: int, out) -> None:
     dist.destroy_process_group()
 
 
+def _on_two_ranks(worker, reps: int) -> dict:
+    """Run ``worker(rank, store, reps, out)`` on 2 processes (a file rendezvous in a temporary directory);
+    returns what rank 0 put in ``out``."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out = mp.Manager().dict()
+        mp.spawn(worker, args=(str(Path(tmp) / "store"), reps, out), nprocs=2, join=True)
+        return dict(out)
+
+
 def _dispatch_worker(rank: int, store: str, reps: int, out) -> None:
     import models
     import torch.distributed as dist
@@ -196,12 +206,9 @@ def measure_dispatch(reps: int) -> tuple[float, float]:
     direction). The host work is the extra CPU time of the process (all its threads), the waiting the rest of
     the extra wall time. The tokens are few, so these are what the planner adds per call (``a2a_latency_us``,
     hidden by F&B overlap where compute is beside it; ``a2a_host_us``, compute)."""
-    import torch.multiprocessing as mp
     from configs.schema import compose
     from tools.plan_costs import ep_traffic
-    with tempfile.TemporaryDirectory() as tmp:
-        out = mp.Manager().dict()
-        mp.spawn(_dispatch_worker, args=(str(Path(tmp) / "store"), reps, out), nprocs=2, join=True)
+    out = _on_two_ranks(_dispatch_worker, reps)
     cfg = compose(["+exp=tiny", "parallel.ep=2"])
     n = 2 * ep_traffic(cfg.model, 2, cfg.parallel.ranks_per_node, 1, cfg.parallel.fp8_dispatch).calls
     wall = max(0.0, sum(out[(True, d)] - out[(False, d)] for d in ("fwd", "bwd"))) / n
@@ -212,10 +219,7 @@ def measure_dispatch(reps: int) -> tuple[float, float]:
 def measure_link(reps: int) -> tuple[float, float]:
     """(latency in us, GB/s) of a 2-rank gloo all-reduce on this machine, the planner's model of it:
     latency + bytes / bandwidth."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        out = mp.Manager().dict()
-        mp.spawn(_link_worker, args=(str(Path(tmp) / "store"), reps, out), nprocs=2, join=True)
+    out = _on_two_ranks(_link_worker, reps)
     small, big = out[1], out[4 * 2**20]
     return small * 1e6, 16 * 2**20 / max(big - small, 1e-9) / 1e9
 
