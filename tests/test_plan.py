@@ -123,6 +123,25 @@ def test_measured_step_end_adds_the_optimizer_the_twin_sum_and_the_small_collect
     assert step_end(cfg, hw, mem, dims, {}) == pytest.approx(2 * 2e-9 * owned + STEP_COLLECTIVES * 1e-4)
 
 
+def test_gpu_step_end_sums_the_twin_gradients_in_bf16_over_the_inter_node_link():
+    """DualPipe holds every stage on two pipeline ranks (other nodes): their gradients are summed every step, on
+    a GPU profile as in the trainer; DeepSeek's layout (rank 0: the embedding, the head and MTP twice) pays it."""
+    from tools.plan import V3_LAYOUT, V3_WORLD, replicated_params
+    from tools.plan_costs import load_hardware, step_end
+    from tools.size import plan_memory
+    from tools.activations import V3_RECIPE
+    from tools.size import check_layout
+    cfg, hw = compose(V3_LAYOUT), load_hardware("h800")
+    model = models.build(cfg.model, "meta")
+    dims = check_layout(cfg, V3_WORLD)
+    mem = plan_memory(cfg, V3_WORLD, "v3", V3_RECIPE, model=model)
+    twins = replicated_params(cfg, 120, model)
+    assert twins[0] == twins[15] > twins[7] > 0
+    without, with_ = step_end(cfg, hw, mem, dims, {}), step_end(cfg, hw, mem, dims, twins)
+    # rank 0 (or 15) is the worst: an all-reduce between 2 ranks moves its BF16 twin gradients once each way
+    assert with_ - without == pytest.approx(2 * twins[0] / (hw.ib_gb_s * 1e9) + hw.p2p_latency_us * 1e-6, rel=0.02)
+
+
 def test_processor_sharing_slows_an_action_by_the_ranks_computing_beside_it():
     """``tools.plan_costs.sharing``: on 1 core, an action that runs beside another rank's for its whole length
     takes twice as long; one that runs alone is not slowed; half beside one: 1.5x. Each pipeline rank stands

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -103,7 +104,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     # (tools.activations.v3_recipe_bytes); none and full are this trainer's train.recompute modes
     mem = plan_memory(cfg, world_size, "v3" if not hw.measured else "trainer",
                       V3_RECIPE if recompute == "v3" else recompute, model=model)
-    end = step_end(cfg, hw, mem, dims, replicated_params(cfg, n_micro, model) if hw.measured else None)
+    end = step_end(cfg, hw, mem, dims, replicated_params(cfg, n_micro, model))
     step = pipeline + end
     tokens = t.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, model).per_token
@@ -127,11 +128,25 @@ def replicated_params(cfg, n_micro: int, model) -> dict[int, int]:
     expert = {id(q) for m in model.modules() if isinstance(m, GroupedExperts) for q in m.parameters()}
     size = {n: q.numel() // (p.ep if id(q) in expert else 1) for n, q in model.named_parameters()}
     out = dict.fromkeys(range(p.pp), 0)
-    for name, ranks in holders(cfg.model, get_schedule(p.schedule, p.pp, n_micro), p.pp_layout).items():
+    for name, ranks in _holders(cfg.model, p.schedule, p.pp, n_micro, p.pp_layout).items():
         if len(ranks) > 1 and name in size:
             for r in ranks:
                 out[r] += size[name]
     return out
+
+
+_HOLDERS: dict[tuple, dict] = {}
+
+
+def _holders(m, schedule: str, pp: int, n_micro: int, layout) -> dict[str, tuple[int, ...]]:
+    """``parallel.pipeline.replicas.holders``, memoised for the search (it builds the model once per pipeline
+    rank). Which ranks hold a tensor does not depend on how the router groups the experts, which the search
+    varies with EP, so those fields are left out of the key."""
+    key = (repr(dataclasses.replace(m, n_expert_groups=1, n_limited_groups=1, group_topk=0)), schedule, pp,
+           tuple(layout) if layout else None)
+    if key not in _HOLDERS:
+        _HOLDERS[key] = holders(m, get_schedule(schedule, pp, n_micro), layout)
+    return _HOLDERS[key]
 
 
 # ---- DeepSeek-V3's published step --------------------------------------------------------------------
@@ -190,7 +205,9 @@ class Candidate:
 
 
 def candidates(cfg, world_size: int, rpn: int) -> list[list[str]]:
-    """Layouts to try: pp x schedule x ep x micro-batch size x zero (routing groups follow EP nodes)."""
+    """Layouts to try: pp x schedule x ep x micro-batch size (routing groups follow EP nodes), ZeRO-1. Every
+    candidate has a pipeline, and under a pipeline ZeRO-2 keeps full gradients as ZeRO-1 does (docs/zero.md):
+    the same step and memory, so it is not tried."""
     m, out = cfg.model, []
     for pp in (4, 8, 16, 32):
         if world_size % pp or m.n_layers < pp:
@@ -201,11 +218,10 @@ def candidates(cfg, world_size: int, rpn: int) -> list[list[str]]:
                     continue
                 nodes = max(1, ep // rpn)
                 for mbs in (1, 2):
-                    for zero in (1, 2):
-                        out.append([f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.ep={ep}",
-                                    f"parallel.ranks_per_node={rpn}", f"parallel.zero={zero}",
-                                    f"train.micro_batch_size={mbs}", f"model.n_expert_groups={nodes}",
-                                    f"model.n_limited_groups={min(m.n_limited_groups, nodes)}"])
+                    out.append([f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.ep={ep}",
+                                f"parallel.ranks_per_node={rpn}", "parallel.zero=1",
+                                f"train.micro_batch_size={mbs}", f"model.n_expert_groups={nodes}",
+                                f"model.n_limited_groups={min(m.n_limited_groups, nodes)}"])
     return out
 
 
@@ -242,7 +258,7 @@ def search(base: list[str], hw: Hardware, world_size: int, precision: str = "fp8
 def _diffs(p: Prediction, q: Prediction) -> dict[str, float]:
     """Seconds per step ``p`` spends more than ``q``, by cause (they sum to the step difference)."""
     return {"bubble": p.bubble_s - q.bubble_s, "exposed all-to-all": p.exposed_a2a_s - q.exposed_a2a_s,
-            "step end (ZeRO + optimizer)": p.step_end_s - q.step_end_s,
+            "step end (gradient syncs + optimizer)": p.step_end_s - q.step_end_s,
             "compute": (p.pipeline_s - p.bubble_s - p.exposed_a2a_s) - (q.pipeline_s - q.bubble_s - q.exposed_a2a_s)}
 
 

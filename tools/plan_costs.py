@@ -289,11 +289,12 @@ STEP_COLLECTIVES = 6   # the trainer's small all-reduces per step: loss sums, no
 
 
 def step_end(cfg, hw: Hardware, mem_plan, dims, replicated: dict[int, int] | None = None) -> float:
-    """ZeRO reduce-scatter + all-gather (or all-reduce) over dp/edp on the worst rank, plus AdamW. A measured
-    (CPU) profile models this trainer's step end instead of DeepSeek's: the optimizer step at its measured
-    seconds per parameter, the FP32 all-reduce that sums the gradients of the parameters held by two pipeline
-    ranks (``replicated``: per pp rank; DualPipe's twin stages, a tied embedding) and the step's small
-    all-reduces at the profile's latency."""
+    """ZeRO reduce-scatter + all-gather (or all-reduce) over dp/edp on the worst rank, plus the all-reduce that
+    sums the gradients of the parameters two pipeline ranks hold (``replicated``: per pp rank; DualPipe's twin
+    stages, a tied embedding: the twin is another pipeline rank, so another node), plus AdamW. Gradients travel
+    in BF16 on a GPU profile (DeepSeek's), in FP32 on a measured one (this trainer's CPU runs). A measured (CPU)
+    profile models this trainer's step end instead of DeepSeek's: the optimizer step at its measured seconds per
+    parameter and the step's small all-reduces at the profile's latency."""
     worst = 0.0
     for r in mem_plan.ranks:
         dense, expert = r.params_dense, r.params_expert
@@ -301,14 +302,14 @@ def step_end(cfg, hw: Hardware, mem_plan, dims, replicated: dict[int, int] | Non
         grad_bytes = 4 if hw.measured else 2   # this trainer's CPU runs reduce FP32 gradients; DeepSeek BF16
         comm = 2 * (ring(dims.dp, grad_bytes * dense) + ring(dims.edp, grad_bytes * expert))   # RS + AG, or one AR
         owned = (dense / dims.dp + expert / dims.edp) if cfg.parallel.zero >= 1 else dense + expert
+        twins = (replicated or {}).get(r.pp_rank, 0)
+        sync = 2 * ring(2, grad_bytes * twins) + hw.p2p_latency_us * 1e-6 if twins else 0.0
         if hw.measured:
-            twins = (replicated or {}).get(r.pp_rank, 0)
-            sync = 2 * ring(2, 4 * twins) + hw.p2p_latency_us * 1e-6 if twins else 0.0
             # every rank runs its step end at once (the collectives line them up): ranks beyond the cores share them
             sharing = max(1.0, dims.world_size / hw.cores) if hw.cores else 1.0
             update = sharing * hw.optimizer_s_per_param * owned + sync + STEP_COLLECTIVES * hw.p2p_latency_us * 1e-6
         else:
-            update = 24 * owned / (hw.hbm_tb_s * 1e12)
+            update = 24 * owned / (hw.hbm_tb_s * 1e12) + sync
         worst = max(worst, comm + update)
     return worst
 
