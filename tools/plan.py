@@ -159,9 +159,10 @@ V3_PUBLISHED = {"F": 1.13, "B": 1.99, "W": 0.48, "F&B": 13.95, "bubble": 2.06, "
                 "mfu": 0.3894, "tokens/s/GPU": 15360 * 4096 / 19.93 / 2048}
 
 
-def v3_check(hw_name: str = "h800", recompute: str = "v3") -> tuple[Prediction, list[tuple[str, float, float]]]:
-    """Predict DeepSeek-V3's production step; returns the prediction and (row, predicted, published)."""
-    pred = predict(compose(V3_LAYOUT), load_hardware(hw_name), V3_WORLD, "fp8", recompute)
+def v3_check(hw: str | Hardware = "h800", recompute: str = "v3") -> tuple[Prediction, list[tuple[str, float, float]]]:
+    """Predict DeepSeek-V3's production step (``hw``: a profile or its name); returns the prediction and (row,
+    predicted, published)."""
+    pred = predict(compose(V3_LAYOUT), load_hardware(hw) if isinstance(hw, str) else hw, V3_WORLD, "fp8", recompute)
     ph = pred.phases
     rows = [("1F   (rank 0, forward-only actions)", ph["F"], V3_PUBLISHED["F"]),
             ("1B   (rank 0, backward-only actions)", ph["B"], V3_PUBLISHED["B"]),
@@ -305,11 +306,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--search", action="store_true", help="rank layouts by tokens/s/GPU")
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--out", default=None, help="timeline PNG (tools.schedule's renderer)")
+    ap.add_argument("--gpu-report", default=None, help="bench.gpu_suite report (.json sidecar): the profile's GEMM "
+                    "efficiencies from this project's measured kernels (tools.plan_profile)")
+    ap.add_argument("--save-profile", default=None, help="write the profile used (calibrated) as YAML for --hardware")
     return ap
 
 
 def _print_v3_check(args, hw: Hardware) -> None:
-    pred, rows = v3_check(args.hardware, args.recompute)
+    pred, rows = v3_check(hw, args.recompute)
     print("\n".join(report(pred)))
     print(f"\n{'DeepSeek-V3, 2048 ' + hw.name:<40} {'predicted':>10} {'published':>10} {'error':>7}")
     for name, got, want in rows:
@@ -372,6 +376,18 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown option {[o for o in overrides if o.startswith('--')][0]}", file=sys.stderr)
         return 2
     hw = load_hardware(args.hardware)
+    if args.gpu_report:
+        from tools.plan_profile import ReportError, calibrate, load_report
+        try:
+            hw, lines = calibrate(hw, load_report(args.gpu_report), args.gpu_report)
+        except ReportError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"{hw.name}: " + "; ".join(lines))
+    if args.save_profile:
+        from tools.plan_profile import save_profile
+        save_profile(hw, args.save_profile)
+        print(f"wrote {args.save_profile} (use it with --hardware {args.save_profile})")
     if args.v3_check:
         _print_v3_check(args, hw)
     elif args.search:
