@@ -24,6 +24,7 @@ with ``os.getloadavg()`` before and after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -301,14 +302,26 @@ def main() -> int:
         for name, over in LAYOUTS.items():
             cfg = compose(["+exp=tiny", *over])
             world = cfg.parallel.pp * cfg.parallel.ep
-            pred = predict(cfg, hw, world, "bf16", "none")
+            # This machine's speed drifts by up to +-9 % over minutes (the same one-process profile, timed
+            # minutes apart, 2026-11-25): the components are timed again right before and after each run
+            # and their mean is the profile for that run (the other measurements keep the first calibration)
+            pre = measure(args.reps)[0]
             before = os.getloadavg()[0]
             got = run_layout(over, args.steps, Path(tmp))
+            post = measure(args.reps)[0]
+            mean = {c: {k: (pre[c][k] + post[c][k]) / 2 for k in "fbw"} for c in pre}
+            pred = predict(cfg, dataclasses.replace(hw, measured=mean), world, "bf16", "none")
             step = got["step_time_s"]
+            drift = _total(post) / _total(pre) - 1
             print(f"{name:<40} predicted {pred.step_s:.3f} s  measured {step:.3f} s  "
-                  f"({100 * (pred.step_s / step - 1):+.1f}%)  load {before:.2f} -> {os.getloadavg()[0]:.2f}\n"
+                  f"({100 * (pred.step_s / step - 1):+.1f}%)  load {before:.2f} -> {os.getloadavg()[0]:.2f}, "
+                  f"profile {100 * drift:+.1f}% after the run vs before\n"
                   f"    {breakdown(pred, got)}", flush=True)
     return 0
+
+
+def _total(per_token: dict) -> float:
+    return sum(v for c in per_token.values() for v in c.values())
 
 
 if __name__ == "__main__":
