@@ -376,18 +376,13 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown option {[o for o in overrides if o.startswith('--')][0]}", file=sys.stderr)
         return 2
     hw = load_hardware(args.hardware)
-    if args.gpu_report:
-        from tools.plan_profile import ReportError, calibrate, load_report
+    if args.gpu_report or args.save_profile:
+        from tools.plan_profile import ReportError, from_cli
         try:
-            hw, lines = calibrate(hw, load_report(args.gpu_report), args.gpu_report)
+            hw = from_cli(hw, args.gpu_report, args.save_profile)
         except ReportError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"{hw.name}: " + "; ".join(lines))
-    if args.save_profile:
-        from tools.plan_profile import save_profile
-        save_profile(hw, args.save_profile)
-        print(f"wrote {args.save_profile} (use it with --hardware {args.save_profile})")
     if args.v3_check:
         _print_v3_check(args, hw)
     elif args.search:

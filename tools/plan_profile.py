@@ -116,3 +116,15 @@ def save_profile(hw: Hardware, path: str) -> None:
     data = dataclasses.asdict(hw)
     data["elementwise_passes"] = list(data["elementwise_passes"])
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def from_cli(hw: Hardware, report_path: str | None, save_path: str | None) -> Hardware:
+    """``--gpu-report`` (calibrate ``hw`` from it, printing each change) and ``--save-profile`` (write the profile
+    used); raises ``ReportError``."""
+    if report_path:
+        hw, lines = calibrate(hw, load_report(report_path), report_path)
+        print(f"{hw.name}: " + "; ".join(lines))
+    if save_path:
+        save_profile(hw, save_path)
+        print(f"wrote {save_path} (use it with --hardware {save_path})")
+    return hw
