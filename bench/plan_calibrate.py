@@ -303,7 +303,7 @@ def main() -> int:
             cfg = compose(["+exp=tiny", *over])
             world = cfg.parallel.pp * cfg.parallel.ep
             # This machine's speed drifts by up to +-9 % over minutes (the same one-process profile, timed
-            # minutes apart, 2026-11-25): the components are timed again right before and after each run
+            # minutes apart, 2026-11-24): the components are timed again right before and after each run
             # and their mean is the profile for that run (the other measurements keep the first calibration)
             pre = measure(args.reps)[0]
             before = os.getloadavg()[0]

@@ -10,7 +10,7 @@ from tools.plan import main as plan_main
 from tools.plan_costs import load_hardware
 from tools.plan_profile import ReportError, calibrate, gemm_rates, load_report
 
-META = {"date": "2026-11-25 10:00 UTC", "device_line": "NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB",
+META = {"date": "2026-11-24 10:00 UTC", "device_line": "NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB",
         "commit": "abc1234", "mode": "full", "smoke": False}
 GROUPED = {"fprop": [700.0, 760.0], "dgrad": [680.0, 720.0], "wgrad": [300.0, 340.0]}
 DENSE_BF16 = {(16384, 7168, 7168): [640.0, 650.0, 600.0], (4096, 2048, 2048): [100.0, 120.0, 90.0]}   # 2nd: small

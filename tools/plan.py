@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 
 
