@@ -7,7 +7,7 @@ import pytest
 from bench import fp8_gemm, fp8_grouped_gemm
 from bench import suite_report as rep
 from tools.plan import main as plan_main
-from tools.plan_costs import load_hardware
+from tools.plan_costs import Hardware, load_hardware
 from tools.plan_profile import ReportError, calibrate, gemm_rates, load_report
 
 META = {"date": "2026-11-24 10:00 UTC", "device_line": "NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB",
@@ -82,7 +82,8 @@ def test_reports_that_cannot_calibrate_are_refused_naming_why(tmp_path, capsys, 
         path = tmp_path / "r.json"
         path.write_text("# a markdown report\n")
     else:
-        path, hw = _report(tmp_path), load_hardware("cpu")
+        per_token = {"f": 1e-6, "b": 1e-6, "w": 1e-6}   # a measured CPU profile (bench/plan_calibrate.py writes one)
+        path, hw = _report(tmp_path), Hardware(name="cpu", measured={"moe_layer": per_token}, cores=2)
     with pytest.raises(ReportError, match=needle) as e:
         calibrate(hw, load_report(str(path)), str(path))
     assert str(path) in str(e.value)
