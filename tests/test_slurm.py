@@ -46,10 +46,18 @@ def _ensure_slurm() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
     _ensure_slurm()
-    c = lc.LocalCluster(tmp_path_factory.mktemp("slurm"))
+    c = lc.LocalCluster(tmp_path_factory.mktemp("slurm"), first_job_id=first_job_id())
     request.addfinalizer(lambda: _stop_and_check(c))   # registered first: runs even if start() is interrupted
     c.start()
     return c
+
+
+def first_job_id() -> int:
+    """Each pytest-xdist worker starts its own cluster: a block of job ids per worker, so the rendezvous
+    ports derived from them (train.sbatch: 20000 + id % 20000) differ. Ids below 12768 map below 32768,
+    the start of Linux's ephemeral range, where no free-port pick of another test can land."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return 1 + 1000 * int(worker.removeprefix("gw"))
 
 
 def _stop_and_check(c: lc.LocalCluster) -> None:
@@ -187,6 +195,7 @@ def test_sbatch_cancel_saves_and_is_not_requeued(cluster, tmp_path, cache):
     run = tmp_path / "run"
     job = cluster.sbatch(["--ntasks=2", "--job-name=dsv3-cancel", str(SBATCH), *COMMON, *EP2, "train.max_steps=40",
                           "checkpoint.every=0", f"data.cache_dir={cache}"], env=job_env(RUN_DIR=run), cwd=tmp_path)
+    assert first_job_id() <= job < first_job_id() + 1000, f"job {job}: the cluster ignored FirstJobId"
     wait_until(lambda: metric_lines(run / "metrics.jsonl") >= 1
                or cluster.job_info(job).get("JobState") in lc.TERMINAL, 300, "step 1")
     r = cluster._run(["scancel", str(job)])

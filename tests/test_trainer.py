@@ -202,6 +202,23 @@ def test_invalid_layout_fails_before_any_collective(tmp_path, overrides, key):
     assert len(err) == 1 and err[0].startswith("error:") and key in err[0], proc.stderr
 
 
+def test_rendezvous_port_in_use_is_one_line_naming_the_address(tmp_path):
+    """Rank 0 of an srun-style launch hosts the rendezvous store on MASTER_PORT; a port another job holds is
+    one line naming the address and MASTER_PORT, exit 2 (torch's own error is a 20-line traceback)."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = run_cli("+exp=tiny", "parallel.ep=2", "parallel.ranks_per_node=1", f"hydra.run.dir={tmp_path}/run",
+                       "logging.wandb.mode=disabled", timeout=120,
+                       env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "MASTER_PORT" in err[0], proc.stderr
+
+
 def test_step_timers_sum_each_phase_and_forget_what_ran_outside_a_step():
     from trainer.timers import StepTimers, metric_key
     timers = StepTimers(torch.device("cpu"))

@@ -47,7 +47,17 @@ def _init_distributed(cfg):
                         timeout_s=p.timeout_s)
     if world > 1:
         from datetime import timedelta
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=p.timeout_s))
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=p.timeout_s))
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise ConfigError(
+                f"rank {rank}: the rendezvous address {where} (MASTER_ADDR:MASTER_PORT) is already in use, by "
+                "another job on this node or a run still exiting; set MASTER_PORT to a free port "
+                "(tools/slurm/train.sbatch derives it from the job id: 20000 + id % 20000)") from None
         dims.build_groups(device.type)
     return dims, device
 

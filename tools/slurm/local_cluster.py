@@ -7,7 +7,9 @@ Needs Debian's ``slurmctld slurmd slurm-client munge`` (``install()`` runs apt-g
 Nothing goes to ``/etc``: ``slurm.conf``, spool dirs, logs and PID files live in one directory, and the
 client commands find it through ``SLURM_CONF``. The cluster has its own munge daemon on a private
 socket and its own controller/node ports, so two clusters (two pytest workers) do not meet, and a
-system-wide munge or slurm is never touched. ``stop()`` cancels the cluster's jobs, kills processes
+system-wide munge or slurm is never touched. Give concurrent clusters distinct ``first_job_id`` blocks: the
+launch scripts derive the rendezvous port from the job id (train.sbatch: 20000 + id % 20000; submitit
+seeds its port choice with it), so two clusters that both number from 1 start two jobs on one port. ``stop()`` cancels the cluster's jobs, kills processes
 still running under its ``SLURM_CONF`` and then each daemon by the PID it recorded, escalating to
 SIGKILL; daemons started by ``start()`` also get SIGTERM if the starting process dies (PDEATHSIG).
 ``KillWait=30`` (SLURM's default): after the SIGTERM of a cancel or time limit the trainer has 30 s to save
@@ -40,6 +42,7 @@ ClusterName={name}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
+FirstJobId={first_job_id}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}
@@ -105,8 +108,11 @@ def _mem_mb() -> int:
 class LocalCluster:
     """``with LocalCluster(dir) as c: job = c.sbatch([...]); c.wait(job)``; see the module docstring."""
 
-    def __init__(self, root: str | Path, cpus: int | None = None, name: str = "dsv3ci"):
+    def __init__(self, root: str | Path, cpus: int | None = None, name: str = "dsv3ci", first_job_id: int = 1):
+        if not 1 <= first_job_id < 67_000_000:   # SLURM's default MaxJobId is 67043328
+            raise ValueError(f"first_job_id={first_job_id}: must be in [1, 67000000)")
         self.dir = Path(root).resolve()
+        self.first_job_id = first_job_id
         self.cpus = cpus or os.cpu_count() or 1
         self.name = name
         self.conf = self.dir / "slurm.conf"
@@ -135,7 +141,7 @@ class LocalCluster:
         sock = self.munge_dir / "munge.socket"
         self.conf.write_text(SLURM_CONF.format(
             name=self.name, dir=self.dir, ctld_port=_free_port(), slurmd_port=_free_port(), munge_socket=sock,
-            cpus=self.cpus, mem_mb=_mem_mb()))
+            first_job_id=self.first_job_id, cpus=self.cpus, mem_mb=_mem_mb()))
         self._record()
         try:
             self._spawn("munged", ["/usr/sbin/munged", "-F", f"--socket={sock}", "--key-file=/etc/munge/munge.key",
