@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,40 @@ def test_config_error_under_torchrun_prints_once(tmp_path, launcher):
         assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
     else:
         assert proc.returncode == 2 and len(err) <= 3 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_torchrun_endpoint_held_by_a_non_store_is_one_line(tmp_path):
+    """A c10d endpoint that another process listens on without being a store: stock torchrun connects and
+    waits on it in silence (seen: nothing printed in 4 minutes, until it was killed). ``python -m
+    trainer.torchrun`` names the endpoint and exits 2 within its probe time, before any worker starts."""
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "trainer.torchrun", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=held", "-m", "trainer", "+exp=tiny",
+               f"hydra.run.dir={tmp_path}/run", "logging.wandb.mode=disabled"]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "not a rendezvous store" in err[0], proc.stderr
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "run").exists()
+
+
+def test_torchrun_endpoint_check_accepts_a_free_port_and_a_live_store():
+    """Nothing listening (this agent will host the store) and a live store (the host's agent is up) pass."""
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from trainer.torchrun import check_endpoint
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert check_endpoint(f"127.0.0.1:{free}") is None
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    assert check_endpoint(f"127.0.0.1:{store.port}", probe_s=5) is None

@@ -9,15 +9,57 @@ failed worker's code (2 config error, 3 failed, ...; 128 + N for a worker killed
 line naming that worker, or nothing for a config error (rank 0 has printed it: ``trainer/__main__.py``).
 
 Also sets ``OMP_NUM_THREADS=1`` when unset: torchrun's own default, without its four-line banner.
+
+Before the agent starts, a c10d ``--rdzv_endpoint`` that something already listens on must answer as a
+rendezvous store (``check_endpoint``). Stock torchrun connects to whatever holds the port (another job, a
+service) and waits on it in silence (minutes, with nothing printed): here that is one line naming the
+endpoint, exit 2.
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
+from datetime import timedelta
 
 from trainer.lifecycle import EXIT_CONFIG
+
+
+PROBE_S = 15.0   # how long a store that holds the endpoint has to answer
+
+
+def check_endpoint(endpoint: str, probe_s: float = PROBE_S) -> str | None:
+    """Why ``endpoint`` (``host:port``) cannot be a c10d rendezvous store, or None. Nothing listening is fine:
+    this agent will host the store, or the host's agent has not started yet. A listener must answer a store
+    client within ``probe_s``; the client runs in a daemon thread that is left behind if it never returns."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError:
+        return None
+    answer: dict = {}
+
+    def probe() -> None:
+        try:
+            TCPStore(host, port, is_master=False, timeout=timedelta(seconds=probe_s)).check(["probe"])
+            answer["ok"] = True
+        except Exception as e:   # noqa: BLE001  (any failure: the listener is not a usable store)
+            answer["error"] = str(e).splitlines()[0]
+
+    t = threading.Thread(target=probe, name="rdzv-endpoint-probe", daemon=True)
+    t.start()
+    t.join(probe_s + 2)
+    if answer.get("ok"):
+        return None
+    why = f"it failed: {answer['error']}" if "error" in answer else f"no answer in {probe_s:.0f} s"
+    return (f"the rendezvous endpoint {host}:{port} (--rdzv_endpoint) is held by a process that is not a rendezvous "
+            f"store ({why}): another job or service on {host}; choose a free port (tools/slurm/train.sbatch: "
+            "MASTER_PORT)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,12 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    args = parse_args(argv)
+    if args.rdzv_backend == "c10d" and args.rdzv_endpoint and not args.standalone:
+        why = check_endpoint(args.rdzv_endpoint)
+        if why:
+            print(f"torchrun: {why}", file=sys.stderr)
+            return EXIT_CONFIG
+
     # The agent's routine lines when a worker fails ("failed (exitcode: N) local_rank: ...", "Sending process
     # N closing signal SIGTERM" to the others): the line below says which worker failed first.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         lambda r: not str(r.msg).startswith(("failed (exitcode", "Sending process")))
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
