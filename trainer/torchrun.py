@@ -36,8 +36,9 @@ def check_endpoint(endpoint: str, probe_s: float = PROBE_S) -> str | None:
     this agent will host the store, or the host's agent has not started yet. A listener must answer a store
     client within ``probe_s``; the client runs in a daemon thread that is left behind if it never returns."""
     from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
     try:
         socket.create_connection((host, port), timeout=3).close()
     except OSError:

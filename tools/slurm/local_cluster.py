@@ -9,10 +9,10 @@ client commands find it through ``SLURM_CONF``. The cluster has its own munge da
 socket and its own controller/node ports, so two clusters (two pytest workers) do not meet, and a
 system-wide munge or slurm is never touched. Give concurrent clusters distinct ``first_job_id`` blocks: the
 launch scripts derive the rendezvous port from the job id (train.sbatch: 20000 + id % 20000; submitit
-seeds its port choice with it), so two clusters that both number from 1 start two jobs on one port. ``stop()`` cancels the cluster's jobs, kills processes
-still running under its ``SLURM_CONF`` and then each daemon by the PID it recorded, escalating to
-SIGKILL; daemons started by ``start()`` also get SIGTERM if the starting process dies (PDEATHSIG).
-``KillWait=30`` (SLURM's default): after the SIGTERM of a cancel or time limit the trainer has 30 s to save
+seeds its port choice with it), so two clusters that both number from 1 start two jobs on one port.
+``stop()`` cancels the cluster's jobs, kills processes still running under its ``SLURM_CONF`` and then
+each daemon by the PID it recorded, escalating to SIGKILL; daemons started by ``start()`` also get SIGTERM
+if the starting process dies (PDEATHSIG). ``KillWait=30`` (SLURM's default): after the SIGTERM of a cancel or time limit the trainer has 30 s to save
 before SIGKILL, as on most clusters.
 """
 from __future__ import annotations
