@@ -12,8 +12,8 @@ launch scripts derive the rendezvous port from the job id (train.sbatch: 20000 +
 seeds its port choice with it), so two clusters that both number from 1 start two jobs on one port.
 ``stop()`` cancels the cluster's jobs, kills processes still running under its ``SLURM_CONF`` and then
 each daemon by the PID it recorded, escalating to SIGKILL; daemons started by ``start()`` also get SIGTERM
-if the starting process dies (PDEATHSIG). ``KillWait=30`` (SLURM's default): after the SIGTERM of a cancel or time limit the trainer has 30 s to save
-before SIGKILL, as on most clusters.
+if the starting process dies (PDEATHSIG). ``KillWait=30`` (SLURM's default): after the SIGTERM of a cancel or
+time limit the trainer has 30 s to save before SIGKILL, as on most clusters.
 """
 from __future__ import annotations
 
