@@ -12,8 +12,9 @@ a 2-core machine: by default the single-device dispatcher with the latency on it
 does nothing but compute (``--ep1-route solo``: an all-to-all dispatcher over a one-rank gloo group, whose
 worker thread copies the rows meanwhile; at L = 0 overlapped, that thread competes with the compute). For overlap off/on and latency 0/L it times the F&B actions (the only place overlap
 can act) and the whole step, on the slowest rank (best of ``--steps`` steps; the configurations run
-round-robin, one step each, so that a shared machine's load drifts over all of them alike, and the
-minimum drops the steps that another job's burst slowed down):
+round-robin, one step each, in an order reversed every other round, so that a shared machine's load drifts over
+all of them alike, and the minimum drops the steps that another job's burst slowed down; the L = 0 overhead is
+also given paired, as the median over rounds of each round's on / off ratio):
 
     hidden = 1 - (FB_on(L) - FB_on(0)) / (FB_off(L) - FB_off(0))
 
@@ -86,10 +87,12 @@ def worker(rank, world, store, args, out):
         model = apply_ep(build(cfg, seed=0), dims).train()
         runners[SEQ] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2], overlap=True))
     # Round robin over the configurations, one step each, so that the load of a shared machine drifts
-    # over all of them alike; the best of the timed steps counts (the first round is warm-up).
+    # over all of them alike; the best of the timed steps counts (the first round is warm-up). The order is
+    # reversed every other round, so that no configuration always runs first after the barrier.
     fb, step, pieces, waits = ({k: [] for k in runners} for _ in range(4))
     for i in range(1 + args.steps):
-        for key, (model, runner) in runners.items():
+        order = list(runners.items())
+        for key, (model, runner) in order if i % 2 else order[::-1]:   # alternate: no configuration always first
             dist.barrier()
             executor.run_pair = _in_sequence if key == SEQ else run_pair
             start = time.perf_counter()
@@ -109,6 +112,7 @@ def worker(rank, world, store, args, out):
             med = [statistics.quantiles([c for h, c, *_ in pieces[key] if h == half], n=10)[::4] if pieces[key]
                    else [0.0, 0.0, 0.0] for half in (0, 1)]   # 10th, 50th, 90th percentile
             out[key] = (min(fb[key]), min(step[key]), min(w for w, _ in waits[key]), waits[key][0][1], *med)
+        out["rounds"] = [on / off - 1 for on, off in zip(fb[(True, 0.0)], fb[(False, 0.0)])]
     dist.destroy_process_group()
 
 
@@ -142,13 +146,16 @@ def main() -> None:
           f"{fwd} ms, backward half {bwd} ms")
     print("| overlap | latency (ms) | F&B time per step (s) | step time (s) |")
     print("|---|---|---|---|")
-    for (overlap, lat), (fb, step, *_) in sorted((k, v) for k, v in out.items() if k != SEQ):
+    for (overlap, lat), (fb, step, *_) in sorted((k, v) for k, v in out.items() if k not in (SEQ, "rounds")):
         print(f"| {'on' if overlap else 'off'} | {lat:g} | {fb:.3f} | {step:.3f} |")
     if SEQ in out:
         print(f"| {SEQ[0]} | 0 | {out[SEQ][0]:.3f} | {out[SEQ][1]:.3f} |")
     base = out[(False, 0.0)][0]
     print(f"L = 0 overhead of overlap on vs off (F&B time): {out[(True, 0.0)][0] / base - 1:+.1%}"
           + (f"; the cuts alone (halves in sequence): {out[SEQ][0] / base - 1:+.1%}" if SEQ in out else ""))
+    q = statistics.quantiles(out["rounds"], n=4) if len(out["rounds"]) > 1 else out["rounds"] * 3
+    print(f"the same, paired: median of the per-round ratios {q[1]:+.1%} (quartiles {q[0]:+.1%} .. {q[2]:+.1%}, "
+          f"{len(out['rounds'])} rounds)")
     print("hidden = 1 - (FB_on(L) - FB_on(0)) / (FB_off(L) - FB_off(0)); cross-check from inside the overlapped "
           "F&Bs: 1 - (wait_on(L) - wait_on(0)) / injected_on(L), wait = time blocked on transfers per step, "
           "injected_on = the latency injected into the transfers waited for")
