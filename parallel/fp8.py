@@ -282,9 +282,10 @@ class _FP8CachedSwiGLUFn(torch.autograd.Function):
         q1, s1, q3, s3 = ctx.saved_tensors
         with torch.autocast(g.device.type, enabled=False):
             h1, h3, g = dequant(q1, s1).view(ctx.shape), dequant(q3, s3).view(ctx.shape), g.float()
-            sig = torch.sigmoid(h1)
-            d1 = g * h3 * sig * (1 + h1 * (1 - sig)) if ctx.needs_input_grad[0] else None
-            d3 = g * h1 * sig if ctx.needs_input_grad[1] else None
+            # the kernels autograd runs for silu(h1) * h3 (mul's backward, then silu's), so that the result is
+            # autograd's at the dequantised inputs bit for bit
+            d1 = torch.ops.aten.silu_backward(g * h3, h1) if ctx.needs_input_grad[0] else None
+            d3 = g * F.silu(h1) if ctx.needs_input_grad[1] else None
         return (None if d1 is None else d1.to(ctx.dtypes[0]), None if d3 is None else d3.to(ctx.dtypes[1]),
                 None, None)
 

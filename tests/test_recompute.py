@@ -199,15 +199,30 @@ def test_routed_experts_selective_and_deferred_wgrad_compose(monkeypatch):
     assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
 
 
+class _RoundTripFn(torch.autograd.Function):
+    """The exact forward value; backward: autograd's gradient of silu(h1) * h3 at the FP8 round trips (1×128
+    tiles) of h1 and h3."""
+
+    @staticmethod
+    def forward(ctx, h1, h3):
+        ctx.save_for_backward(h1, h3)
+        return torch.nn.functional.silu(h1) * h3
+
+    @staticmethod
+    def backward(ctx, g):
+        from kernels.reference import dequant, quant_act
+        trip = [dequant(*quant_act(h.reshape(-1, h.shape[-1]))).view(h.shape).requires_grad_()
+                for h in ctx.saved_tensors]
+        with torch.enable_grad():
+            return torch.autograd.grad(torch.nn.functional.silu(trip[0]) * trip[1], trip, g)
+
+
 class _RoundTripSwiGLU(SwiGLU):
-    """Reference for ``FP8CachedSwiGLU``: the exact forward value, differentiated at the FP8 round trips
-    (1×128 tiles) of h1 and h3 by autograd."""
+    """Reference for ``FP8CachedSwiGLU``: the exact forward value, differentiated by autograd at the FP8 round
+    trips of h1 and h3."""
 
     def forward(self, h1, h3):
-        from kernels.reference import dequant, quant_act
-        trip = lambda h: h + (dequant(*quant_act(h.detach().reshape(-1, h.shape[-1]))).view(h.shape) - h).detach()  # noqa: E731
-        ref = torch.nn.functional.silu(trip(h1)) * trip(h3)
-        return ref + (super().forward(h1, h3) - ref).detach()
+        return _RoundTripFn.apply(h1, h3)
 
 
 def test_fp8_emulation_with_selective():
