@@ -16,7 +16,9 @@ the trainer's step end (one rank: non-finite check, norm, clipping, AdamW) per p
 ``optimizer_s_per_param``.
 The link (latency and bandwidth of every collective and p2p in the profile) is a 2-process gloo all-reduce
 of one float and of 16 MB; the expert all-to-all's cost per call (waiting, and host work) is the trainer's dispatcher at ep = 2
-on 2 gloo processes against the same MoE layer with every expert local (``measure_dispatch``).
+on 2 gloo processes against the same MoE layer with every expert local (``measure_dispatch``). On a machine
+with fewer cores than the largest ``--check`` layout has ranks, both are measured again with that many processes
+(pairs at once) into the profile's ``oversubscribed``, which the planner uses for layouts with more ranks than cores.
 ``--check`` runs pp=2 DualPipe, pp=4 1F1B, pp=2 x ep=2 DualPipe and ep=2 with
 torchrun for ``--steps`` steps and prints predicted vs measured (median step_time_s after the first two),
 with ``os.getloadavg()`` before and after.
@@ -133,10 +135,12 @@ def measure_optimizer(reps: int) -> float:
     return statistics.median(times[2:]) / sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _link_worker(rank: int, store: str, reps: int, out) -> None:
+def _link_worker(rank: int, store: str, reps: int, world: int, out) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]   # every pair all-reduces at once
+    group = pairs[rank // 2]
     res = {}
     for n in (1, 4 * 2**20):   # one float (latency); 16 MB (bandwidth)
         t = torch.ones(n)
@@ -144,7 +148,7 @@ def _link_worker(rank: int, store: str, reps: int, out) -> None:
         for _ in range(reps + 2):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
             times.append(time.perf_counter() - t0)
         res[n] = statistics.median(times[2:])
     if rank == 0:
@@ -152,17 +156,17 @@ def _link_worker(rank: int, store: str, reps: int, out) -> None:
     dist.destroy_process_group()
 
 
-def _on_two_ranks(worker, reps: int) -> dict:
-    """Run ``worker(rank, store, reps, out)`` on 2 processes (a file rendezvous in a temporary directory);
-    returns what rank 0 put in ``out``."""
+def _on_ranks(worker, reps: int, world: int = 2) -> dict:
+    """Run ``worker(rank, store, reps, world, out)`` on ``world`` processes (a file rendezvous in a temporary
+    directory); returns what rank 0 put in ``out``."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         out = mp.Manager().dict()
-        mp.spawn(worker, args=(str(Path(tmp) / "store"), reps, out), nprocs=2, join=True)
+        mp.spawn(worker, args=(str(Path(tmp) / "store"), reps, world, out), nprocs=world, join=True)
         return dict(out)
 
 
-def _dispatch_worker(rank: int, store: str, reps: int, out) -> None:
+def _dispatch_worker(rank: int, store: str, reps: int, world: int, out) -> None:
     import models
     import torch.distributed as dist
     from configs.schema import compose
@@ -170,10 +174,10 @@ def _dispatch_worker(rank: int, store: str, reps: int, out) -> None:
     from parallel.ep import apply_ep
     from parallel.pipeline.stages import Stage
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     cfg = compose(["+exp=tiny", "parallel.ep=2"])
     m, p, B, T = cfg.model, cfg.parallel, cfg.train.micro_batch_size, cfg.data.seq_len
-    dims = ParallelDims(world_size=2, rank=rank, ep=2, ranks_per_node=p.ranks_per_node).build_groups()
+    dims = ParallelDims(world_size=world, rank=rank, ep=2, ranks_per_node=p.ranks_per_node).build_groups()
     layer = next(i for i in range(m.n_layers) if m.is_moe_layer(i))
     blocks = {ep: Stage(model, 1, 3, range(layer, layer + 1)) for ep, model in
               ((False, models.build(m, "cpu", seed=0)),
@@ -199,9 +203,10 @@ def _dispatch_worker(rank: int, store: str, reps: int, out) -> None:
     dist.destroy_process_group()
 
 
-def measure_dispatch(reps: int) -> tuple[float, float]:
+def measure_dispatch(reps: int, world: int = 2) -> tuple[float, float]:
     """Seconds one expert all-to-all call of the trainer's dispatcher costs on this machine beyond its bytes,
-    ``(waiting, host work)``: a MoE layer of the tiny model run forward and backward by 2 gloo ranks at ep = 2
+    ``(waiting, host work)``: a MoE layer of the tiny model run forward and backward by ``world`` gloo ranks at
+    ep = 2 (EP groups of 2, all at once)
     (``parallel.ep_dispatcher``: its exchanges, the counts it sends first, its sorting and gathering on the host)
     minus the same layer with every expert local, over the planner's calls per layer (dispatch + combine, each
     direction). The host work is the extra CPU time of the process (all its threads), the waiting the rest of
@@ -209,7 +214,7 @@ def measure_dispatch(reps: int) -> tuple[float, float]:
     hidden by F&B overlap where compute is beside it; ``a2a_host_us``, compute)."""
     from configs.schema import compose
     from tools.plan_costs import ep_traffic
-    out = _on_two_ranks(_dispatch_worker, reps)
+    out = _on_ranks(_dispatch_worker, reps, world)
     cfg = compose(["+exp=tiny", "parallel.ep=2"])
     n = 2 * ep_traffic(cfg.model, 2, cfg.parallel.ranks_per_node, 1, cfg.parallel.fp8_dispatch).calls
     wall = max(0.0, sum(out[(True, d)] - out[(False, d)] for d in ("fwd", "bwd"))) / n
@@ -217,21 +222,27 @@ def measure_dispatch(reps: int) -> tuple[float, float]:
     return wall - host, host
 
 
-def measure_link(reps: int) -> tuple[float, float]:
+def measure_link(reps: int, world: int = 2) -> tuple[float, float]:
     """(latency in us, GB/s) of a 2-rank gloo all-reduce on this machine, the planner's model of it:
-    latency + bytes / bandwidth."""
-    out = _on_two_ranks(_link_worker, reps)
+    latency + bytes / bandwidth; with ``world`` > 2, ``world`` / 2 such pairs at once."""
+    out = _on_ranks(_link_worker, reps, world)
     small, big = out[1], out[4 * 2**20]
     return small * 1e6, 16 * 2**20 / max(big - small, 1e-9) / 1e9
+
+
+def _nproc(over: list[str]) -> int:
+    """Processes a ``LAYOUTS`` entry runs on: pp x ep."""
+    n = 1
+    for o in over:
+        if o.startswith(("parallel.pp=", "parallel.ep=")):
+            n *= int(o.split("=")[1])
+    return n
 
 
 def run_layout(over: list[str], steps: int, tmp: Path) -> dict[str, float]:
     """Median over the steps after the first two of rank 0's ``metrics.jsonl`` numbers (``step_time_s`` and
     the pipeline's per-kind action times, ``pipeline_<kind>_s``, and the phase timers' ``time_<phase>_s``)."""
-    nproc = 1
-    for o in over:
-        if o.startswith(("parallel.pp=", "parallel.ep=")):
-            nproc *= int(o.split("=")[1])
+    nproc = _nproc(over)
     run_dir = tmp / str(abs(hash(tuple(over))))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer",
            "+exp=tiny", f"train.max_steps={steps}", "logging.wandb.mode=disabled", "logging.progress=false",
@@ -277,11 +288,19 @@ def main() -> int:
     optimizer = measure_optimizer(args.reps)
     latency_us, gb_s = measure_link(max(args.reps, 10))
     a2a_wait, a2a_host = measure_dispatch(max(args.reps, 10))
+    crowd = max(_nproc(over) for over in LAYOUTS.values())
+    oversubscribed = None
+    if (os.cpu_count() or 1) < crowd:   # collectives whose peers the OS has descheduled: measured, not modelled
+        lat_n, gb_n = measure_link(max(args.reps, 10), crowd)
+        wait_n, host_n = measure_dispatch(max(args.reps, 10), crowd)
+        oversubscribed = {"a2a_latency_us": round(1e6 * wait_n, 1), "a2a_host_us": round(1e6 * host_n, 1),
+                          "p2p_latency_us": round(lat_n, 1), "ib_gb_s": round(gb_n, 3), "nvlink_gb_s": round(gb_n, 3)}
     prof = {"name": "CPU (this machine, measured)", "cores": os.cpu_count(), "ib_gb_s": round(gb_s, 3),
             "nvlink_gb_s": round(gb_s, 3), "gpus_per_node": 1, "a2a_latency_us": round(1e6 * a2a_wait, 1),
             "a2a_host_us": round(1e6 * a2a_host, 1),
             "p2p_latency_us": round(latency_us, 1), "hbm_gb": 24,
             "action_cv": round(cv, 3), "measured": measured, "optimizer_s_per_param": optimizer,
+            "oversubscribed": oversubscribed,
             "sources": [f"bench/plan_calibrate.py, one process, 1 thread, load {load0[0]:.2f} at start"]}
     Path(args.out).write_text(yaml.safe_dump(prof, sort_keys=False))
     print(f"load {load0}; wrote {args.out}")
@@ -292,6 +311,11 @@ def main() -> int:
     print(f"  gloo link    {latency_us:.0f} us + bytes / {gb_s:.2f} GB/s (2-rank all-reduce)")
     print(f"  expert a2a   {1e6 * a2a_wait:.0f} us waiting + {1e6 * a2a_host:.0f} us host work per call (the trainer's "
           "dispatcher at ep = 2 vs all experts local)")
+    if oversubscribed:
+        o = oversubscribed
+        print(f"  {crowd} processes on {os.cpu_count()} cores (pairs at once): link {o['p2p_latency_us']:.0f} us + bytes / "
+              f"{o['ib_gb_s']:.2f} GB/s; expert a2a {o['a2a_latency_us']:.0f} us waiting + {o['a2a_host_us']:.0f} us host "
+              "work per call")
     if not args.check:
         return 0
     from configs.schema import compose

@@ -190,6 +190,32 @@ def test_measured_all_to_all_host_work_is_compute_and_its_waiting_can_hide():
     assert (wait.f, wait.a2a_f - plain.a2a_f, wait.a2a_b - plain.a2a_b) == pytest.approx((plain.f, extra, extra))
 
 
+def test_oversubscribed_link_numbers_apply_only_beyond_the_cores(tmp_path):
+    """``Hardware.oversubscribed`` (measured with more processes than cores): a layout with more ranks than cores
+    pays those all-to-all and link costs; one that fits the cores keeps the 2-process ones. A profile file with an
+    unknown key under ``oversubscribed`` is refused, naming the file and the key."""
+    import yaml
+    from tools.plan_costs import for_world, load_hardware
+    per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
+    over = {"a2a_latency_us": 3000.0, "p2p_latency_us": 600.0, "ib_gb_s": 0.5, "nvlink_gb_s": 0.5}
+    base = dict(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2,
+                a2a_latency_us=1000.0, p2p_latency_us=200.0, ib_gb_s=1.0, nvlink_gb_s=1.0)
+    hw, plain = Hardware(**base, oversubscribed=over), Hardware(**base)
+    assert for_world(hw, 2) is hw and for_world(plain, 4) is plain
+    crowded = for_world(hw, 4)
+    assert (crowded.a2a_latency_us, crowded.p2p_latency_us, crowded.ib_gb_s, crowded.cores) == (3000.0, 600.0, 0.5, 2)
+    cfg = compose(["+exp=tiny", "parallel.pp=2", "parallel.schedule=dualpipe", "parallel.ep=2"])
+    slow, fast = (predict(cfg, h, 4, "bf16", "none") for h in (hw, plain))
+    assert slow.p2p_s > fast.p2p_s and slow.step_s > fast.step_s
+    assert predict(cfg, Hardware(**base, oversubscribed=over), 4, "bf16", "none").step_s == slow.step_s
+    two = compose(["+exp=tiny", "parallel.ep=2"])
+    assert predict(two, hw, 2, "bf16", "none").step_s == predict(two, plain, 2, "bf16", "none").step_s
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**base, "oversubscribed": {"a2a_latency_ms": 3}}))
+    with pytest.raises(ValueError, match=r"bad\.yaml: oversubscribed: unknown keys \['a2a_latency_ms'\]"):
+        load_hardware(str(path))
+
+
 def test_v3_recipe_memory_fits_deepseeks_layout_and_not_the_earlier_winners():
     """Acceptance 3's memory side: the itemized estimate of V3's recipe (``tools.activations.v3_recipe_bytes``)
     keeps 164 KB per token in a MoE layer; DeepSeek's layout fits 90 % of 80 GB with it, while pp4 DualPipe ZeRO-2

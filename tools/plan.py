@@ -33,7 +33,7 @@ from models.moe import GroupedExperts
 from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
-from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, load_hardware,
+from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, for_world, load_hardware,
                               simulate_layout, step_end)
 from tools.schedule import draw
 from tools.size import GB, V3_RECIPE, check_layout, model_parts, plan_memory
@@ -89,6 +89,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     """Predicted step of ``cfg``'s layout on ``world_size`` ranks of ``hw`` (module doc)."""
     p, t = cfg.parallel, cfg.train
     dims = check_layout(cfg, world_size)
+    hw = for_world(hw, world_size)
     model = model if model is not None else models.build(cfg.model, "meta")
     stage_costs, _, traffic, p2p = action_costs(cfg, hw, model_parts(model), precision, recompute)
     n_micro = max(1, t.global_batch_size // (t.micro_batch_size * dims.dp))

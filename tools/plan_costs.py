@@ -33,13 +33,15 @@ all-to-all call adds its measured host work to the compute (``a2a_host_us``: the
 backend's copies, on the same cores; never hidden) and its measured waiting as the latency; its step end is
 this trainer's: the non-finite check and the optimizer at their measured seconds per parameter (shared like
 compute when ranks outnumber cores), the FP32 all-reduce of the parameters two pipeline ranks hold, FP32
-gradient reductions over dp, and the step's small all-reduces at the link's latency.
+gradient reductions over dp, and the step's small all-reduces at the link's latency. When a layout has more
+ranks than the profile has cores, its ``oversubscribed`` link and all-to-all numbers (measured with that many
+processes: a collective waits for peers the OS has descheduled) replace the 2-process ones (``for_world``).
 """
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -79,6 +81,8 @@ class Hardware:
                                         # variation (measured profiles: the calibration's repeats; 0: constant)
     measured: dict | None = None        # seconds per token of each component: {component: {f, b, w}}
     optimizer_s_per_param: float = 0.0  # measured profiles: non-finite check + optimizer step, per owned parameter
+    oversubscribed: dict | None = None  # measured profiles: OVERSUBSCRIBED fields measured with more processes than
+                                        # cores, for layouts with more ranks than cores (``for_world``)
     sources: list[str] = field(default_factory=list)
 
 
@@ -93,7 +97,21 @@ def load_hardware(name: str) -> Hardware:
     extra = set(data) - allowed
     if extra:
         raise ValueError(f"{path}: unknown keys {sorted(extra)} (allowed: {sorted(allowed)})")
+    bad = set(data.get("oversubscribed") or {}) - set(OVERSUBSCRIBED)
+    if bad:
+        raise ValueError(f"{path}: oversubscribed: unknown keys {sorted(bad)} (allowed: {list(OVERSUBSCRIBED)})")
     return Hardware(**data)
+
+
+OVERSUBSCRIBED = ("a2a_latency_us", "a2a_host_us", "p2p_latency_us", "ib_gb_s", "nvlink_gb_s")
+
+
+def for_world(hw: Hardware, world_size: int) -> Hardware:
+    """The profile a layout of ``world_size`` ranks runs on: a measured profile's ``oversubscribed`` link and
+    all-to-all numbers when the ranks outnumber its cores, else ``hw`` itself."""
+    if hw.oversubscribed and hw.cores and world_size > hw.cores:
+        return replace(hw, **hw.oversubscribed)
+    return hw
 
 
 # ---- work per stage --------------------------------------------------------------------------------
