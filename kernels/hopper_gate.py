@@ -24,9 +24,11 @@ TTGIR), and the largest ``wgmma.wait_group N`` (``wgmma_in_flight``: 0 means eac
 own wgmma before the next instruction that reads the result, here the promotion).
 
 Checks (``failures``): compiles; no local memory; shared memory <= 227 KB (H100/H200 per-block opt-in
-limit); for GEMMs (a ``tt.dot``): wgmma in PTX and SASS, and pipelined loads (cp.async or TMA into an
+limit); for quantisers the instructions their bit-exactness rests on (``rounding_failures``: IEEE division,
+the magic-number rounding unfolded, no flush-to-zero, the saturating RNE E4M3 convert, no float negation);
+for GEMMs (a ``tt.dot``): wgmma in PTX and SASS, and pipelined loads (cp.async or TMA into an
 operand ring of >= 2 stages); and what the launch config asks for: ``TMA`` -> TMA copies,
-``WARP_SPECIALIZE`` -> setmaxnreg in PTX and SASS. The control must be *rejected* (unpipelined), which
+``WARP_SPECIALIZE`` (the opt-in variant, compiled too) -> setmaxnreg in PTX and SASS. The control must be *rejected* (unpipelined), which
 shows the pipelining check bites.
 
 CLI (prints the table; exit 1 on any failure): ``python -m kernels.hopper_gate [--json] [--jobs N]``.
@@ -54,6 +56,7 @@ CONTROL = "control: gemm fprop, num_stages=1"
 # are multiples of 16 and the dtypes; the ragged counts are data the kernels read at run time.
 TOKENS, HIDDEN, INTER = 4096, 7168, 2048
 EXPERT_TOKENS = (0, 700, 1, 1499, 0, 513, 1300, 83)
+QUANT_KERNELS = ("_cast_kernel", "_quant_act_kernel", "_quant_act_t_kernel", "_quant_weight_kernel")
 
 
 @dataclass
@@ -122,6 +125,12 @@ def launches() -> list[Launch]:
              config=pointers)
         call("grouped wgrad, pointer path", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,
              config=pointers)
+        opt_in = gemm.VARIANTS["tma+ws"]    # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
+        call("gemm fprop, warp-specialised (opt-in)", gemm.gemm, xq, xs, wq[0], ws[0], torch.bfloat16, config=opt_in)
+        call("grouped fprop, warp-specialised (opt-in)", grouped_gemm.grouped_gemm, xq, xs, wq, ws, tpe,
+             torch.bfloat16, config=opt_in)
+        call("grouped wgrad, warp-specialised (opt-in)", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,
+             config=opt_in)
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
     return out
 
@@ -235,14 +244,25 @@ def compile_report(launch: Launch, dump: str | None = None) -> dict:
         smem_stages=max(rings, default=0),
         wgmma_in_flight=max(waits, default=0),
         **{k: v for k, v in usage.items() if k.startswith("sass_")})
+    if launch.kernel.fn.__name__ in QUANT_KERNELS:
+        rep["rounding"] = rounding_facts(ptx)
     return rep
+
+
+def rounding_facts(ptx: str) -> dict:
+    """The instructions a quantiser's bit-exactness rests on (``failures`` says which must be there)."""
+    count = lambda pattern: len(re.findall(pattern, ptx))   # noqa: E731
+    return {"div_rn": count(r"\bdiv\.rn\.f32\b"), "div_approx": count(r"\b(div\.(full|approx)|rcp\.approx)\S*\.f32\b"),
+            "add": count(r"\badd(\.rn)?\.f32\b"), "sub": count(r"\bsub(\.rn)?\.f32\b"),
+            "ftz": count(r"\.ftz\.f32\b"), "neg": count(r"\bneg\.f32\b"),
+            "cvt_e4m3": count(r"\bcvt\.rn\.satfinite\.e4m3x2\.f32\b")}
 
 
 def failures(rep: dict) -> list[str]:
     """What the gate rejects in one report (empty list: it passes)."""
     if "error" in rep:
         return [f"does not compile for sm_90a: {rep['error']}"]
-    bad = []
+    bad = rounding_failures(rep["kernel"], rep["rounding"]) if "rounding" in rep else []
     if rep["local"]:
         bad.append(f"{rep['local']} B of local memory (register spills / stack)")
     if rep["smem"] > H100_SMEM_PER_BLOCK:
@@ -258,6 +278,28 @@ def failures(rep: dict) -> list[str]:
         if rep["WARP_SPECIALIZE"] and not (rep["setmaxnreg"] and rep["sass_setmaxreg"]):
             bad.append(f"config asks for warp specialisation: setmaxnreg PTX {rep['setmaxnreg']}, "
                        f"SASS {rep['sass_setmaxreg']}")
+    return bad
+
+
+def rounding_failures(kernel: str, r: dict) -> list[str]:
+    """A quantiser is bit-exact vs the reference only with: IEEE divisions (``div.rn``; Triton's ``/`` is the
+    approximate ``div.full``), the magic-number rounding kept as an add and a sub (a folded pair leaves the
+    rounding to the convert), no flush-to-zero (E4M3 subnormals are tiny FP32 normals, but the tiles' inputs
+    may be FP32 subnormals), the saturating RNE convert, and the sign set as a bit (a float negation lost
+    the sign of -0 on an H100)."""
+    bad = []
+    if r["div_approx"]:
+        bad.append(f"{r['div_approx']} approximate division(s) (div.full/div.approx/rcp.approx)")
+    if kernel != "_cast_kernel" and not r["div_rn"]:
+        bad.append("no IEEE division (div.rn.f32)")
+    if not (r["add"] and r["sub"]):
+        bad.append(f"magic-number rounding folded (add.f32 {r['add']}, sub.f32 {r['sub']})")
+    if r["ftz"]:
+        bad.append(f"{r['ftz']} flush-to-zero FP32 instruction(s)")
+    if not r["cvt_e4m3"]:
+        bad.append("no cvt.rn.satfinite.e4m3x2.f32")
+    if r["neg"]:
+        bad.append(f"{r['neg']} float negation(s) (neg.f32): the sign must be set as a bit")
     return bad
 
 

@@ -14,10 +14,11 @@ Granularity and layout (T = 128):
 - ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous.
 - ``cast_to_e4m3(x)``               the bare saturating RNE cast (tests the rounding exhaustively).
 
-The FP32 -> E4M3 conversion first rounds onto the E4M3 grid in FP32 (``_round_to_e4m3``) so the final cast
-is exact: the Triton interpreter's own downcast drops mantissa carries, rounds ties up and does not
-saturate, and this keeps one code path for GPU and interpreter. Divisions use ``div_rn`` (IEEE) so the
-GPU result matches torch's.
+The FP32 -> E4M3 conversion (``_to_e4m3``) first rounds the magnitude onto the E4M3 grid in FP32, so the
+final convert is exact (the Triton interpreter's own downcast drops mantissa carries, rounds ties up and
+does not saturate: one code path for GPU and interpreter), then sets the sign bit with integer ops: a
+negative value that rounds to zero is -0 (0x80), as in torch (the H100 gave +0 when the sign was applied
+as a float). Divisions use ``div_rn`` (IEEE), as the reference's tensor divisions do on CUDA and CPU.
 """
 from __future__ import annotations
 
@@ -33,14 +34,16 @@ _TILE = tl.constexpr(TILE)
 
 
 @triton.jit
-def _round_to_e4m3(x):
-    """Saturating RNE of FP32 ``x`` onto the E4M3 grid (result exactly representable in E4M3)."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    ax = tl.abs(x)
-    e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # subnormal step 2^-9
-    magic = ((e + 147) << 23).to(tl.float32, bitcast=True)                     # grid step 2^(e-3), times 2^23
-    r = (ax + magic) - magic                                                   # FP32 RNE onto the step
-    return tl.where(x < 0, -r, r)
+def _to_e4m3(x):
+    """Saturating RNE of FP32 ``x`` to E4M3. The magnitude is rounded onto the E4M3 grid in FP32 first, so the
+    hardware convert of it is exact; the sign goes on as a bit (a value that rounds to zero keeps it: -0)."""
+    ax = tl.minimum(tl.abs(x), 448.0)
+    e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormal step 2^-9
+    magic = ((e + 147) << 23).to(tl.float32, bitcast=True)                    # grid step 2^(e-3), times 2^23
+    r = (ax + magic) - magic                                                  # FP32 RNE onto the step
+    mag = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    sign = ((x.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return (mag | sign).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -66,7 +69,7 @@ def _scale_from_amax(amax, POW2: tl.constexpr):
 def _cast_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _round_to_e4m3(x).to(q_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(q_ptr + offs, _to_e4m3(x), mask=offs < n)
 
 
 @triton.jit
@@ -77,8 +80,8 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_from_amax(_amax(x, 1), POW2)
-    q = _round_to_e4m3(tl.math.div_rn(x, s[:, None]))
-    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = _to_e4m3(tl.math.div_rn(x, s[:, None]))
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + tl.program_id(1), s, mask=offs_m < M)
 
 
@@ -96,8 +99,8 @@ def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_CO
     mask = (offs_r[:, None] < re) & (offs_c[None, :] < C)
     x = tl.load(x_ptr + offs_r[:, None] * stride_xr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_from_amax(_amax(x, 0), POW2)                      # [BLOCK_C]
-    q = _round_to_e4m3(tl.math.div_rn(x, s[None, :]))
-    tl.store(q_ptr + offs_c[None, :] * stride_qc + cols[:, None], q.to(q_ptr.dtype.element_ty),
+    q = _to_e4m3(tl.math.div_rn(x, s[None, :]))
+    tl.store(q_ptr + offs_c[None, :] * stride_qc + cols[:, None], q,
              mask=(cols[:, None] < Q_COLS) & (offs_c[None, :] < C))
     tl.store(s_ptr + offs_c * stride_sc + t, s, mask=offs_c < C)
 
@@ -112,7 +115,7 @@ def _quant_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride_we, stride_wn
     w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
     s = _scale_from_amax(_amax(_amax(w, 1), 0), POW2)
-    q = _round_to_e4m3(tl.math.div_rn(w, s)).to(q_ptr.dtype.element_ty)
+    q = _to_e4m3(tl.math.div_rn(w, s))
     tl.store(q_ptr + e * stride_qe + offs_n[:, None] * stride_qn + offs_k[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(qt_ptr + e * stride_qte + offs_k[None, :] * stride_qtk + offs_n[:, None], q, mask=mask)
@@ -194,3 +197,27 @@ def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
     if w.dim() == 2:
         q, s, qt = q[0], s[0], qt[0]
     return (q, s, qt) if transpose else (q, s)
+
+
+# ------------------------------------------------------------------------------------------------ self-check
+def self_check(device: torch.device) -> float:
+    """Fraction of FP8 bytes and scales that differ from ``reference.py`` (0.0: bit-exact) over every quantiser,
+    both scale modes, on rows spanning 1e-30..1e30 with an all-zero tile, E4M3 subnormals and ragged tiles."""
+    from . import reference as ref
+    from .selfcheck import mismatch
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 320, generator=g) * torch.logspace(-30, 30, 200)[:, None]
+    x[3, :128] = 0.0
+    x[4, :128] = torch.randn(128, generator=g) * 1e-9
+    x[4, 7] = 1.0
+    x = x.to(device)
+    tpe = torch.tensor([0, 130, 5, 0, 64, 1], device=device)
+    worst = 0.0
+    for pow2 in (False, True):
+        for got, want in ((quant_act(x.bfloat16(), pow2), ref.quant_act(x.bfloat16(), pow2)),
+                          (quant_act_t(x, None, pow2), ref.quant_act_t(x, None, pow2)),
+                          (quant_act_t(x, tpe, pow2), ref.quant_act_t(x, tpe, pow2)),
+                          (quant_weight(x.view(2, 100, 320), pow2, transpose=True),
+                           ref.quant_weight(x.view(2, 100, 320), pow2, transpose=True))):
+            worst = max([worst] + [mismatch(g_, w_) for g_, w_ in zip(got, want)])
+    return worst

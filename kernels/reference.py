@@ -49,7 +49,10 @@ def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
-    s = amax.float().clamp_min(AMAX_FLOOR) / FP8_MAX
+    # Divide by a tensor, not by the Python number: CUDA's ``tensor / scalar`` multiplies by the rounded
+    # reciprocal (1/448), which is one ulp off the IEEE quotient the kernels compute for some amax.
+    amax = amax.float().clamp_min(AMAX_FLOOR)
+    s = amax / torch.full_like(amax, FP8_MAX)
     return ceil_pow2(s) if pow2 else s
 
 

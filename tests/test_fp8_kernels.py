@@ -2,8 +2,8 @@
 
 Without CUDA the kernels run under the Triton interpreter (``kernels.configure()`` sets TRITON_INTERPRET
 before any kernel is defined), so shapes are chosen to need only a few large programs. With CUDA the same
-tests run compiled, with the production launch configs (``GPU_CONFIG``: TMA + warp specialisation;
-``POINTER_CONFIG``), at larger shapes too (DeepSeek-V3 sizes, ragged and empty experts).
+tests run compiled, with the production launch configs (``GPU_CONFIG``: TMA; ``POINTER_CONFIG``; the default is
+the first that passes its self-check on the device), at larger shapes too (DeepSeek-V3 sizes, ragged and empty experts).
 Quantisers must be bit-exact; GEMMs must match dequantise-then-matmul within 1e-3 relative. Every GEMM
 runs on both load paths: TMA (K-contiguous, 16-byte-aligned operands; chosen automatically) and pointers
 (``config={"TMA": False}``, and automatically for strided views or K not a multiple of 16).
@@ -54,10 +54,13 @@ def test_cast_is_saturating_round_to_nearest_even():
     mids = (vals[1:] + vals[:-1]) / 2                                           # exact ties
     ulp = mids.abs() * 2.0 ** -23
     beyond = torch.tensor([448.5, 464.0, 480.0, 500.0, 1e4, 3e38, float("inf")])
-    x = torch.cat([vals, mids, mids + ulp, mids - ulp, beyond, -beyond, torch.randn(20000) * 100,
+    to_zero = torch.tensor([0.0, 2.0 ** -11, 1e-30, 1e-40])                     # round to zero (1e-40: FP32 subnormal)
+    x = torch.cat([vals, mids, mids + ulp, mids - ulp, beyond, -beyond, to_zero, -to_zero, torch.randn(20000) * 100,
                    torch.randn(20000) * 2.0 ** -8]).float().to(DEV)
     assert_bit_exact(tquant.cast_to_e4m3(x), ref.cast_to_e4m3(x))
     assert ref.cast_to_e4m3(torch.tensor([464.0, float("inf"), -1e4])).float().tolist() == [448, 448, -448]
+    signed_zeros = tquant.cast_to_e4m3(torch.cat([to_zero, -to_zero]).to(DEV)).view(torch.uint8).tolist()
+    assert signed_zeros == [0] * 4 + [0x80] * 4                                 # -0 keeps its sign, as in torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
