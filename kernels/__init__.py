@@ -1,21 +1,27 @@
 """FP8 (E4M3) kernels for DeepSeek-V3-style training: blockwise quantisation and blockwise-scaled GEMMs.
 
-Two interchangeable backends expose the same functions (see ``reference.py`` for the API):
+Backends expose the same functions (see ``reference.py`` for the API):
 
 - ``triton``: the Triton kernels in ``quant.py``, ``gemm.py`` and ``grouped_gemm.py``. On a machine
   without CUDA they run under the Triton interpreter (``TRITON_INTERPRET=1``, set by ``configure()``, which
   must run before those modules are imported: Triton reads the variable when it decorates a kernel) —
-  slow, only for tests.
+  slow, only for tests. Every default launch variant is self-checked on its device before first use
+  (``selfcheck.py``); quantisers that are not bit-exact there give way to the reference's.
+- ``torch``: torch's own kernels: cuBLASLt's blockwise ``scaled_mm`` for dense GEMMs (``torch_gemm.py``, sm_90)
+  and the reference quantisers; no grouped GEMMs (torch has no blockwise-scaled grouped GEMM on the versions
+  we support: the grouped ops raise).
 - ``emulation``: ``reference.py`` in plain torch: quantise exactly like the kernels (bit-identical
   FP8 bytes and scales), dequantise, matmul in FP32. Fast enough to train small models on CPU.
+- ``auto``: on CUDA, per op the fastest engine that passed its self-check on the device (``auto.py``); elsewhere
+  ``emulation``.
 
-``get_ops("auto", device)`` picks ``triton`` on CUDA and ``emulation`` elsewhere. Importing this
-package neither imports triton nor changes the environment; ``get_ops("triton")`` calls ``configure()``
-and imports the kernels.
+Importing this package neither imports triton nor changes the environment; the triton, torch and auto
+namespaces call ``configure()`` and import the kernels.
 
 ``hopper_gate.py`` compiles every kernel for Hopper (sm_90a) without a GPU, at the specialisations of its
-production launches, and checks registers, spills, shared memory, wgmma and pipelined (TMA) loads:
-``python -m kernels.hopper_gate`` prints the table; ``tests/test_hopper_gate.py`` asserts it.
+production launches, and checks registers, spills, shared memory, wgmma, pipelined (TMA) loads and the
+quantisers' rounding instructions: ``python -m kernels.hopper_gate`` prints the table;
+``tests/test_hopper_gate.py`` asserts it.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import types
 
 import torch
 
-BACKENDS = ("auto", "triton", "emulation")
+BACKENDS = ("auto", "triton", "torch", "emulation")
 
 
 def configure(interpret: bool | None = None) -> bool:
@@ -45,27 +51,68 @@ def interpreting() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``emulation`` otherwise; other names are checked and returned."""
+    """``auto`` -> ``auto`` on CUDA, ``emulation`` otherwise; other names are checked and returned."""
     if backend not in BACKENDS:
         raise ValueError(f"fp8 backend {backend!r}: must be one of {BACKENDS}")
-    if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "emulation"
+    if backend == "auto" and torch.device(device).type != "cuda":
+        return "emulation"
     return backend
 
 
 def get_ops(backend: str, device: torch.device | str = "cpu"):
-    """The op namespace of ``backend``: ``quant_act``, ``quant_act_t``, ``quant_weight``, ``gemm``,
+    """The op namespace of ``backend`` on ``device``: ``quant_act``, ``quant_act_t``, ``quant_weight``, ``gemm``,
     ``grouped_gemm``, ``grouped_wgrad`` (signatures in ``reference.py``)."""
-    if resolve_backend(backend, device) == "emulation":
+    name = resolve_backend(backend, device)
+    if name == "emulation":
         from . import reference
         return reference
-    return _triton_ops()
+    if name == "triton":
+        return triton_ops()
+    if name == "torch":
+        return _torch_ops()
+    return _auto_ops(_device_key(device))
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    dev = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
 @functools.cache
-def _triton_ops() -> types.SimpleNamespace:
+def triton_ops() -> types.SimpleNamespace:
+    """The Triton kernels; quantisers that are not bit-exact vs the reference on a device give way to the
+    reference's there (one warning), GEMMs run their self-checked default launch variant."""
     configure()
-    from . import gemm, grouped_gemm, quant
+    from . import auto, gemm, grouped_gemm, quant, reference
+
+    def checked(op):
+        kernel, fallback = getattr(quant, op), getattr(reference, op)
+
+        @functools.wraps(kernel)
+        def run(x, *args, **kwargs):
+            ok = x.device.type == "meta" or auto.triton_quant_exact(x.device)
+            return (kernel if ok else fallback)(x, *args, **kwargs)
+        return run
+
     return types.SimpleNamespace(
-        quant_act=quant.quant_act, quant_act_t=quant.quant_act_t, quant_weight=quant.quant_weight,
+        quant_act=checked("quant_act"), quant_act_t=checked("quant_act_t"), quant_weight=checked("quant_weight"),
         gemm=gemm.gemm, grouped_gemm=grouped_gemm.grouped_gemm, grouped_wgrad=grouped_gemm.grouped_wgrad)
+
+
+@functools.cache
+def _torch_ops() -> types.SimpleNamespace:
+    from . import reference, torch_gemm
+
+    def grouped(*args, **kwargs):
+        raise NotImplementedError(
+            f"fp8 backend 'torch': torch {torch.__version__} has no blockwise-scaled grouped GEMM; use "
+            f"backend 'auto' (Triton grouped kernels) or 'triton'")
+    return types.SimpleNamespace(quant_act=reference.quant_act, quant_act_t=reference.quant_act_t,
+                                 quant_weight=reference.quant_weight, gemm=torch_gemm.gemm,
+                                 grouped_gemm=grouped, grouped_wgrad=grouped)
+
+
+@functools.cache
+def _auto_ops(device: torch.device):
+    from .auto import AutoOps, cuda_engines
+    return AutoOps(device, cuda_engines())

@@ -16,35 +16,41 @@ All three feed K-contiguous operands (Hopper's FP8 wgmma reads both operands K-m
 Two load paths, one kernel (constexpr ``TMA``), chosen per call by ``tma_ok``:
 - TMA (``GPU_CONFIG``): when both operands are K-contiguous with 16-byte-aligned base and row strides (all
   production launches), the A/B tiles come in as bulk tensor copies from in-kernel tensor descriptors
-  (zero fill past M, N, K: no masks), and the K loop is warp-specialised (``tl.range(warp_specialize=True)``):
-  on Hopper Triton splits the 128×128 tile into a producer warp group issuing the TMA copies into a
-  ``num_stages``-deep ring and two consumer warp groups of 64 rows each (``num_warps=4`` per group, 12
-  warps in all, ``setmaxnreg`` moving registers to the consumers). Each consumer waits for its wgmma and
-  promotes it, but the two consumers run independently, so one promotes while the other's wgmma runs —
-  the promotion no longer stalls the tensor cores for the whole CTA. Device-side descriptors need a
-  global scratch allocation: ``_set_scratch_allocator`` registers a torch allocator before each launch.
+  (zero fill past M, N, K: no masks) into a ``num_stages``-deep ring, two warp groups of 64 rows
+  (``num_warps=8``). Device-side descriptors need a global scratch allocation: ``_set_scratch_allocator``
+  registers a torch allocator before each launch.
 - Pointers (``POINTER_CONFIG``): any other strides (transposed views, K not a multiple of 16). Masked
   loads; pipelined with cp.async when K-contiguous and 16-byte aligned, else plain loads.
+Warp specialisation of the K loop (``tl.range(warp_specialize=True)``: a producer warp group issuing the TMA
+copies, two consumer groups) is the opt-in variant ``tma+ws`` (``DSV3_WARP_SPECIALIZE=1``): Triton 3.6 compiles
+it into a kernel that returns garbage on an H100. Without an explicit ``config``, ``gemm`` runs the first
+variant of ``variant_chain`` that passed its self-check on the device (``selfcheck.py``).
 Both paths run under the CPU interpreter (which checks the descriptor alignment rules like the GPU);
 ``kernels/hopper_gate.py`` compiles the production launches for sm_90a and checks what they became.
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, selfcheck
 from .reference import FP8_DTYPE, TILE, _b_group, cdiv
 
 _TILE = tl.constexpr(TILE)
-# Production launch configs (Hopper). TMA: 4 warps per warp group; warp specialisation adds a producer group
-# and splits the tile over two consumer groups (12 warps). Pointers: two warp groups of 64 rows in lockstep.
-GPU_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
-              "TMA": True, "WARP_SPECIALIZE": True}
-POINTER_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
-                  "TMA": False, "WARP_SPECIALIZE": False}
-
+WS_ENV = "DSV3_WARP_SPECIALIZE"     # "1": try the warp-specialised TMA variant first (opt-in, self-checked)
+# Launch variants (Hopper): the load path, warp specialisation, warps and pipeline depth; tiles in BASE.
+BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}
+VARIANTS = {
+    "tma+ws": {"TMA": True, "WARP_SPECIALIZE": True, "num_warps": 4, "num_stages": 4},
+    "tma": {"TMA": True, "WARP_SPECIALIZE": False, "num_warps": 8, "num_stages": 4},
+    "pointers": {"TMA": False, "WARP_SPECIALIZE": False, "num_warps": 8, "num_stages": 4},
+}
+GPU_CONFIG = {**BASE, **VARIANTS["tma"]}
+POINTER_CONFIG = {**BASE, **VARIANTS["pointers"]}
 
 @triton.jit
 def round_output(acc, c_ptr):
@@ -138,6 +144,39 @@ def pick_config(M: int, N: int, tma: bool, config: dict | None = None) -> dict:
     return {**base, **config, "TMA": tma}
 
 
+def variant_chain(tma: bool) -> list[tuple[str, dict]]:
+    """The launch variants to try, best first: ``tma+ws`` (only with ``DSV3_WARP_SPECIALIZE=1``), ``tma``
+    (only for operands TMA can read), ``pointers``."""
+    names = (["tma+ws"] if tma and os.environ.get(WS_ENV) == "1" else []) + (["tma"] if tma else []) + ["pointers"]
+    return [(n, VARIANTS[n]) for n in names]
+
+
+def default_variant(kernel: str, tma: bool, device: torch.device, run) -> dict:
+    """The first variant of ``variant_chain(tma)`` that passed ``run(variant, device)`` (``selfcheck``) on
+    ``device``; meta tensors (the compile gate) take the first unchecked."""
+    chain = variant_chain(tma)
+    if device.type == "meta":
+        return chain[0][1]
+    return selfcheck.first_verified(kernel, chain, device, functools.partial(run, device=device))[1]
+
+
+def _rand(*shape, seed: int, device) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def self_check(variant: dict, device: torch.device) -> float:
+    """Worst relative error of ``variant`` vs the reference on two small TMA-readable problems: Fprop-like
+    (128×128 weight scales, BF16 out, ragged M, N, K) and Wgrad-like (per-row scales, FP32 out)."""
+    from . import reference as ref
+    a, sa = ref.quant_act(_rand(200, 464, seed=1, device=device))
+    b, sb = ref.quant_weight(_rand(272, 464, seed=2, device=device))
+    errs = [selfcheck.rel_err(gemm(a, sa, b, sb, torch.bfloat16, config=variant), ref.gemm(a, sa, b, sb))]
+    (a, sa), (b, sb) = (ref.quant_act_t(_rand(208, n, seed=n, device=device)) for n in (200, 272))
+    errs.append(selfcheck.rel_err(gemm(a, sa, b, sb, torch.float32, config=variant),
+                                  ref.gemm(a, sa, b, sb, torch.float32)))
+    return max(errs)
+
+
 def check_operands(a, sa, b, sb, out_dtype) -> None:
     assert a.dtype == b.dtype == FP8_DTYPE, (a.dtype, b.dtype)
     assert sa.dtype == sb.dtype == torch.float32, (sa.dtype, sb.dtype)
@@ -147,7 +186,8 @@ def check_operands(a, sa, b, sb, out_dtype) -> None:
 
 def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
          out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
-    """``a [M,K] · b [N,K]ᵀ`` -> ``[M,N]`` in ``out_dtype``; see the module docstring for scales/layouts."""
+    """``a [M,K] · b [N,K]ᵀ`` -> ``[M,N]`` in ``out_dtype``; see the module docstring for scales/layouts.
+    ``config``: an explicit launch config (runs as given); None: the self-checked default variant."""
     check_operands(a, sa, b, sb, out_dtype)
     assert a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1], (a.shape, b.shape)
     M, K = a.shape
@@ -157,7 +197,10 @@ def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0 or K == 0:
         return c.zero_()
-    cfg = pick_config(M, N, tma_ok(a, b), config)
+    tma = tma_ok(a, b)
+    if config is None:
+        config = default_variant("gemm", tma, a.device, self_check)
+    cfg = pick_config(M, N, tma, config)
     _set_scratch_allocator(cfg)
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _gemm_kernel[grid](a, b, c, sa, sb, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),

@@ -3,8 +3,8 @@
 Tokens arrive sorted by expert: rows ``[off_e, off_{e+1})`` of the activation belong to expert e
 (``tokens_per_expert [E]``, empty experts allowed, no padding). E4M3 operands, FP32 scales, FP32
 promotion every 128 of K exactly as in ``gemm.py``, with the same two load paths (constexpr ``TMA``:
-in-kernel tensor descriptors and a warp-specialised K loop when ``tma_ok``, masked pointer loads
-otherwise) and the same launch configs (``GPU_CONFIG`` / ``POINTER_CONFIG`` without ``GROUP_M``).
+in-kernel tensor descriptors when ``tma_ok``, masked pointer loads otherwise) and the same launch variants
+(``gemm.VARIANTS`` without ``GROUP_M``; the default is the first that passed its self-check on the device).
 
 - ``grouped_gemm(a [R,K], sa [R,⌈K/128⌉], b [E,N,K], sb [E,⌈N/128⌉,⌈K/128⌉], tpe)`` -> ``[R,N]``:
   Fprop (b = W_e) and Dgrad (b = W_eᵀ, from ``quant_weight(transpose=True)``; scales ``s.mT``). Activations
@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import _set_scratch_allocator, check_operands, pick_config, round_output, tma_ok
+from . import selfcheck
+from .gemm import _rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output, tma_ok
 from .reference import TILE, _b_group, cdiv, segment_tiles, segments
 
 _TILE = tl.constexpr(TILE)
@@ -135,7 +136,10 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
     c = torch.empty((R, N), dtype=out_dtype, device=a.device)
     if R == 0 or N == 0 or K == 0:
         return c.zero_()
-    cfg = _config(TILE, N, tma_ok(a, b), config)
+    tma = tma_ok(a, b)
+    if config is None:
+        config = default_variant("grouped_gemm", tma, a.device, self_check_gemm)
+    cfg = _config(TILE, N, tma, config)
     _set_scratch_allocator(cfg)
     tiles = segment_tiles(segments(tokens_per_expert, R, a.device), R, cfg["BLOCK_M"])
     grid = (tiles["row_start"].numel(), cdiv(N, cfg["BLOCK_N"]))
@@ -162,7 +166,10 @@ def grouped_wgrad(aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torc
     c = torch.empty((E, N, K), dtype=out_dtype, device=aT.device)
     if cols == 0 or N == 0 or K == 0:
         return c.zero_()
-    cfg = _config(N, K, tma_ok(aT, bT), config)
+    tma = tma_ok(aT, bT)
+    if config is None:
+        config = default_variant("grouped_wgrad", tma, aT.device, self_check_wgrad)
+    cfg = _config(N, K, tma, config)
     _set_scratch_allocator(cfg)
     tiles = (segments(tokens_per_expert, 0, aT.device) + TILE - 1) // TILE
     tile_end = tiles.cumsum(0).to(torch.int32)
@@ -173,3 +180,25 @@ def grouped_wgrad(aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torc
         aT.stride(0), aT.stride(1), bT.stride(0), bT.stride(1), c.stride(0), c.stride(1), c.stride(2),
         sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), **cfg)
     return c
+
+
+# ----------------------------------------------------------------------------------------------- self-checks
+CHECK_COUNTS = (0, 150, 61, 3)      # an empty expert, one over a tile, a ragged one, a tiny one
+
+
+def self_check_gemm(variant: dict, device: torch.device) -> float:
+    """Relative error of ``grouped_gemm`` with ``variant`` vs the reference on a small ragged problem."""
+    from . import reference as ref
+    tpe = torch.tensor(CHECK_COUNTS, device=device)
+    a, sa = ref.quant_act(_rand(sum(CHECK_COUNTS), 464, seed=3, device=device))
+    b, sb = ref.quant_weight(_rand(len(CHECK_COUNTS), 272, 464, seed=4, device=device))
+    return selfcheck.rel_err(grouped_gemm(a, sa, b, sb, tpe, torch.bfloat16, config=variant),
+                             ref.grouped_gemm(a, sa, b, sb, tpe))
+
+
+def self_check_wgrad(variant: dict, device: torch.device) -> float:
+    """Relative error of ``grouped_wgrad`` with ``variant`` vs the reference on a small ragged problem."""
+    from . import reference as ref
+    tpe = torch.tensor(CHECK_COUNTS, device=device)
+    (a, sa), (b, sb) = (ref.quant_act_t(_rand(sum(CHECK_COUNTS), n, seed=n, device=device), tpe) for n in (200, 272))
+    return selfcheck.rel_err(grouped_wgrad(a, sa, b, sb, tpe, config=variant), ref.grouped_wgrad(a, sa, b, sb, tpe))

@@ -19,12 +19,19 @@ import torch
 from torch import nn
 
 import models
-from configs import model_preset
 from models.moe import GroupedExperts
 from parallel.fp8 import FP8GroupedExperts, FP8Linear, apply_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def model_preset(name: str):
+    """The model preset (configs/ reads YAML through omegaconf; the GPU suite carries it as a wheel). Imported
+    here, not at the top, so that the kernel-level tests of this file collect without Hydra."""
+    pytest.importorskip("omegaconf", reason="model presets need omegaconf (bench/gpu_wheels.sh carries it)")
+    from configs import model_preset as preset
+    return preset(name)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

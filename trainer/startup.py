@@ -151,6 +151,8 @@ def startup_lines(trainer) -> list[str]:
              f"device {trainer.device}",
              f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
              f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
+    if c.train.precision == "fp8":
+        lines.append(fp8_engines_line(trainer.device))
     if trainer.corpus is not None:
         lines.append(trainer.corpus.summary(c.data.path or "embedded corpus (CPython's pydoc topics)"))
     else:
@@ -159,6 +161,15 @@ def startup_lines(trainer) -> list[str]:
             f"{name} ({src.num_tokens:,} tokens, weight {w:g})" for name, src, w in zip(b.names, b.sources, b.weights))
             + (f"; validation: {', '.join(trainer.val_sources)}" if trainer.val_sources else "; no validation"))
     return lines
+
+
+def fp8_engines_line(device: torch.device) -> str:
+    """Which FP8 engines run each op here (``kernels.get_ops("auto")``; on a GPU this runs their self-checks)."""
+    import kernels
+    ops = kernels.get_ops("auto", device)
+    if hasattr(ops, "summary"):
+        return ops.summary()
+    return f"fp8 engines on {device.type}: emulation (kernels/reference.py: plain torch, FP32 matmuls)"
 
 
 def open_logger(trainer) -> MetricsLogger:

@@ -1,0 +1,249 @@
+"""Choosing FP8 engines (``kernels/selfcheck.py``, ``kernels/auto.py``, ``kernels/torch_gemm.py``): a launch
+variant or engine runs only after its self-check passed on the device; a wrong one is skipped with one warning
+line; ``auto`` keeps the fastest verified engine per shape. The Triton interpreter and the reference stand in
+for the GPU engines on the CPU (on a GPU the same tests run compiled); torch's blockwise GEMM is held to
+cuBLASLt's documented scale layouts by a stand-in."""
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+
+kernels.configure()
+from kernels import auto, gemm, grouped_gemm, selfcheck, torch_gemm  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels.auto import AutoOps, Engine  # noqa: E402
+
+DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    selfcheck.forget()
+    yield
+    selfcheck.forget()
+
+
+def operands(M=200, N=136, K=384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a, sa = ref.quant_act(torch.randn(M, K, generator=g).to(DEV))
+    b, sb = ref.quant_weight(torch.randn(N, K, generator=g).to(DEV))
+    return a, sa, b, sb
+
+
+# -------------------------------------------------------------------------------------------- self-checks
+def test_first_verified_skips_a_wrong_variant_with_one_warning(caplog):
+    variants = [("fast", {"k": 1}), ("safe", {"k": 2})]
+    errs = {1: 0.7, 2: 1e-6}
+    calls = []
+
+    def run(v):
+        calls.append(v["k"])
+        return errs[v["k"]]
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        assert selfcheck.first_verified("gemm", variants, DEV, run) == ("safe", {"k": 2})
+        assert selfcheck.first_verified("gemm", variants, DEV, run) == ("safe", {"k": 2})     # cached
+    assert calls == [1, 2]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert f"gemm launch config fast {{k=1}} is wrong on {selfcheck.device_id(DEV)}" in lines[0]
+    assert "7.0e-01" in lines[0]
+    assert "using safe instead" in lines[0]
+
+
+def test_no_variant_passes_names_every_reason():
+    def run(v):
+        if v == "boom":
+            raise RuntimeError("PTX miscompiled\nsecond line")
+        return float("nan")
+    with pytest.raises(selfcheck.NoVerifiedKernel) as e:
+        selfcheck.first_verified("grouped_gemm", [("a", "nan"), ("b", "boom")], DEV, run)
+    assert "a: relative error nan" in str(e.value) and "b: RuntimeError: PTX miscompiled" in str(e.value)
+    assert "second line" not in str(e.value)
+
+
+def test_quantiser_check_must_be_bit_exact():
+    verdict, fresh = selfcheck.check("quantisers", "triton", DEV, lambda: 1e-9, tol=0.0)
+    assert fresh and not verdict.ok and "must be bit-exact" in verdict.why
+    x = torch.randn(64, 64, device=DEV)
+    assert selfcheck.mismatch(x, x.clone()) == 0.0
+    y = x.clone()
+    y[0, 0] = -y[0, 0]
+    assert selfcheck.mismatch(x, y) == 1 / x.numel()
+    assert selfcheck.mismatch(torch.zeros(2), -torch.zeros(2)) == 1.0          # -0 is a different byte
+
+
+def test_default_launch_variants_are_self_checked_and_never_warp_specialised(monkeypatch):
+    monkeypatch.delenv(gemm.WS_ENV, raising=False)
+    assert [n for n, _ in gemm.variant_chain(True)] == ["tma", "pointers"]
+    assert [n for n, _ in gemm.variant_chain(False)] == ["pointers"]
+    assert not any(v["WARP_SPECIALIZE"] for _, v in gemm.variant_chain(True))
+    monkeypatch.setenv(gemm.WS_ENV, "1")
+    assert [n for n, _ in gemm.variant_chain(True)] == ["tma+ws", "tma", "pointers"]
+    monkeypatch.delenv(gemm.WS_ENV)
+    a, sa, b, sb = operands(K=464)                       # TMA-readable: the default is the checked "tma"
+    out = gemm.gemm(a, sa, b, sb, torch.float32)
+    torch.testing.assert_close(out, ref.gemm(a, sa, b, sb, torch.float32), rtol=1e-4, atol=1e-4)
+    checked = {(k, v) for (k, v, _), verdict in selfcheck.verdicts().items() if verdict.ok}
+    assert checked == {("gemm", "tma")}
+    tpe = torch.tensor(grouped_gemm.CHECK_COUNTS, device=DEV)
+    x, w = torch.randn(sum(grouped_gemm.CHECK_COUNTS), 464, device=DEV), torch.randn(len(tpe), 144, 464, device=DEV)
+    grouped_gemm.grouped_gemm(*ref.quant_act(x), *ref.quant_weight(w), tpe)
+    grouped_gemm.grouped_wgrad(*ref.quant_act_t(torch.randn(len(x), 144, device=DEV), tpe), *ref.quant_act_t(x, tpe), tpe)
+    assert {k for (k, v, _), verdict in selfcheck.verdicts().items() if verdict.ok} == {
+        "gemm", "grouped_gemm", "grouped_wgrad"}
+
+
+def test_a_variant_that_fails_its_check_is_not_run(monkeypatch, caplog):
+    """A wrong ``tma`` variant (its check fails) leaves the default on the pointer path, with one warning."""
+    launched = []
+    real_pick = gemm.pick_config
+    monkeypatch.setattr(gemm, "pick_config", lambda *a, **k: launched.append(real_pick(*a, **k)) or launched[-1])
+    monkeypatch.setattr(gemm, "self_check", lambda variant, device: 0.5 if variant["TMA"] else 0.0)
+    a, sa, b, sb = operands(K=464)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        out = gemm.gemm(a, sa, b, sb, torch.float32)
+    torch.testing.assert_close(out, ref.gemm(a, sa, b, sb, torch.float32), rtol=1e-4, atol=1e-4)
+    assert [c["TMA"] for c in launched] == [False]
+    assert len(caplog.records) == 1 and "launch config tma" in caplog.records[0].getMessage()
+
+
+def test_triton_quantisers_give_way_to_the_reference_when_not_bit_exact(monkeypatch, caplog):
+    ops = kernels.get_ops("triton")
+    x = torch.randn(64, 256, device=DEV)
+    monkeypatch.setattr(kernels.quant, "self_check", lambda device: 0.25)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        q, s = ops.quant_act(x)
+        ops.quant_weight(x)
+    assert len(caplog.records) == 1 and "not bit-exact" in caplog.records[0].getMessage()
+    q_ref, s_ref = ref.quant_act(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+# ------------------------------------------------------------------------------------------------- auto
+def _wrong_gemm(a, sa, b, sb, out_dtype=torch.bfloat16):
+    return ref.gemm(a, sa, b, sb, out_dtype) * 1.5
+
+
+def _verify(fn):
+    def verify(device):
+        a, sa, b, sb = operands(seed=9)
+        err = selfcheck.rel_err(fn(a, sa, b, sb, torch.float32), ref.gemm(a, sa, b, sb, torch.float32))
+        return None if err <= selfcheck.GEMM_TOL else f"relative error {err:.1e}"
+    return verify
+
+
+def make_auto(times: dict, accepts_fast=lambda *a: True):
+    fast = lambda *a: gemm.gemm(*a)     # noqa: E731 - the interpreted Triton kernel
+    engines = {"gemm": [Engine("wrong", _wrong_gemm, _verify(_wrong_gemm)),
+                        Engine("slow", ref.gemm, _verify(ref.gemm)),
+                        Engine("fast", fast, _verify(fast), accepts_fast),
+                        Engine("reference", ref.gemm, lambda d: None, fallback=True)]}
+    timed = []
+
+    def timer(fn):
+        name = next(n for n, e in (("slow", ref.gemm), ("fast", fast)) if fn.__defaults__[0].fn is e)
+        timed.append(name)
+        return times[name]
+    return AutoOps(DEV, engines, timer=timer), timed
+
+
+def test_auto_keeps_the_fastest_verified_engine_per_shape(caplog):
+    ops, timed = make_auto({"slow": 2.0, "fast": 1.0})
+    a, sa, b, sb = operands()
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        out = ops.gemm(a, sa, b, sb)
+        ops.gemm(a, sa, b, sb)                                   # same shape class: no second timing
+    assert sorted(timed) == ["fast", "slow"]
+    assert ops.choices == {AutoOps.gemm_key(a, b, sb): "fast"}
+    torch.testing.assert_close(out.float(), ref.gemm(a, sa, b, sb).float(), rtol=1e-2, atol=1e-2)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"gemm engine wrong not used on {selfcheck.device_id(DEV)}" in text and "-> fast (slow 2.000 ms, fast 1.000 ms)" in text
+    a2, sa2, _, _ = operands(M=64)                               # another shape class: timed again
+    ops.gemm(a2, sa2, b, sb)
+    assert len(timed) == 4
+
+
+def test_auto_skips_an_engine_that_does_not_take_the_operands():
+    ops, timed = make_auto({"slow": 2.0, "fast": 1.0}, accepts_fast=lambda a, *rest: a.shape[1] % 128 == 0)
+    a, sa, b, sb = operands(K=320)
+    ops.gemm(a, sa, b, sb)
+    assert timed == [] and ops.choices[AutoOps.gemm_key(a, b, sb)] == "slow"
+
+
+def test_auto_falls_back_to_the_reference_only_when_nothing_passes():
+    engines = {"gemm": [Engine("wrong", _wrong_gemm, _verify(_wrong_gemm)),
+                        Engine("reference", ref.gemm, lambda d: None, fallback=True)]}
+    ops = AutoOps(DEV, engines, timer=lambda fn: 1.0)
+    a, sa, b, sb = operands()
+    assert torch.equal(ops.gemm(a, sa, b, sb), ref.gemm(a, sa, b, sb))
+    assert [e.name for e in ops.passed("gemm")] == ["reference"]
+    ops = AutoOps(DEV, {"gemm": engines["gemm"][:1]})
+    with pytest.raises(selfcheck.NoVerifiedKernel, match="no engine for gemm"):
+        ops.gemm(a, sa, b, sb)
+
+
+def test_cuda_engines_under_the_interpreter():
+    """The GPU engine table (on the CPU: the interpreter; torch's blockwise GEMM unavailable): the Triton
+    engines pass their checks, and every op works."""
+    ops = AutoOps(DEV, auto.cuda_engines())
+    parts = dict(p.split(" ", 1) for p in ops.summary().split(": ", 1)[1].split(", "))
+    assert "triton" in parts["gemm"].split("/") and parts["quant_act"] == parts["grouped_wgrad"] == "triton"
+    assert parts["gemm"] == ("torch scaled_mm/triton" if DEV.type == "cuda" else "triton")
+    x, w = torch.randn(130, 256, device=DEV), torch.randn(144, 256, device=DEV)
+    y = ops.gemm(*ops.quant_act(x), *ops.quant_weight(w))
+    assert ((y.float() - x @ w.t()).norm() / (x @ w.t()).norm()) < 0.05
+
+
+def test_backend_names():
+    assert kernels.resolve_backend("auto", "cpu") == "emulation"
+    assert kernels.resolve_backend("auto", "cuda") == "auto"
+    assert kernels.get_ops("auto", "cpu") is ref
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.resolve_backend("cublas", "cpu")
+    with pytest.raises(NotImplementedError, match="no blockwise-scaled grouped GEMM"):
+        kernels.get_ops("torch").grouped_gemm()
+
+
+# ---------------------------------------------------------------------------------------- torch_gemm
+def fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16):
+    """cuBLASLt's blockwise contract as torch documents it (test_scaled_matmul_cuda.py), in plain torch:
+    ``a [M,K]`` row-major, ``b [K,N]`` column-major; 1×128 scales ``[rows, K/128]`` outer-dim major (stride(0)
+    == 1); 128×128 scales of b ``[round_up(K/128, 4), N/128]``."""
+    import torch.nn.functional as F
+    M, K = a.shape
+    N = b.shape[1]
+    assert a.stride(1) == 1 and b.stride(0) == 1 and K % 128 == 0
+    assert recipe_a == F.ScalingType.BlockWise1x128 and scale_a.shape == (M, K // 128) and scale_a.stride(0) == 1
+    if recipe_b == F.ScalingType.BlockWise128x128:
+        L4 = -(-(K // 128) // 4) * 4
+        assert scale_b.shape == (L4, -(-N // 128)), scale_b.shape
+        sb, group = scale_b[: K // 128].t(), 128
+    else:
+        assert recipe_b == F.ScalingType.BlockWise1x128
+        assert scale_b.shape == (N, K // 128) and scale_b.stride(0) == 1, (scale_b.shape, scale_b.stride())
+        sb, group = scale_b, 1
+    return (ref.dequant(a, scale_a) @ ref.dequant(b.t(), sb, group).t()).to(output_dtype)
+
+
+def test_torch_gemm_meets_cublaslt_scale_layouts(monkeypatch):
+    """The layouts ``torch_gemm`` hands to ``F.scaled_mm`` (measured right on an H100 by its self-check) are
+    the documented ones: Fprop/Dgrad with 128×128 weight blocks (K/128 = 5: padded to 8) and Wgrad 1×128."""
+    import torch.nn.functional as F
+    assert torch_gemm.unavailable("cpu") and "CUDA" in torch_gemm.unavailable("cpu")
+    monkeypatch.setattr(F, "scaled_mm", fake_scaled_mm)
+    a, sa, b, sb = operands(M=192, N=200, K=640)
+    torch.testing.assert_close(torch_gemm.gemm(a, sa, b, sb, torch.float32), ref.gemm(a, sa, b, sb, torch.float32))
+    wq, ws, wq_t = ref.quant_weight(torch.randn(256, 640, device=DEV), transpose=True)   # Dgrad: b = Wᵀ, s.mT
+    dyq, dys = ref.quant_act(torch.randn(64, 256, device=DEV))
+    torch.testing.assert_close(torch_gemm.gemm(dyq, dys, wq_t, ws.mT, torch.float32),
+                               ref.gemm(dyq, dys, wq_t, ws.mT, torch.float32))
+    (at, sat), (bt, sbt) = (ref.quant_act_t(torch.randn(256, n, device=DEV)) for n in (96, 136))   # Wgrad: 1×128²
+    torch.testing.assert_close(torch_gemm.gemm(at, sat, bt, sbt, torch.float32), ref.gemm(at, sat, bt, sbt, torch.float32))
+    assert torch_gemm.accepts(a, sa, b, sb) and not torch_gemm.accepts(*operands(K=320))
+    assert not torch_gemm.accepts(a, sa, wq_t.t(), ws)                            # not K-contiguous
+    with pytest.raises(ValueError, match="multiple of 128"):
+        torch_gemm.gemm(*operands(K=320))
