@@ -1,26 +1,22 @@
-"""Time the dense blockwise FP8 GEMM (Fprop, Dgrad, Wgrad layouts) against torch BF16 matmul and
-``torch._scaled_mm`` in the same run; reports TFLOP/s, the ratios, and the error vs the torch reference.
+"""Time the dense blockwise FP8 GEMM (Fprop, Dgrad, Wgrad layouts): the ``auto`` backend, the Triton kernel and
+torch's blockwise ``scaled_mm`` (cuBLASLt, ``kernels/torch_gemm.py``) against torch BF16 matmul, all in the same
+run; reports TFLOP/s, the ratios, the engine ``auto`` chose and each engine's error vs the reference.
 
     python -m bench.fp8_gemm                       # default shapes (DeepSeek-V3 projections, M = 4096 tokens)
     python -m bench.fp8_gemm --shapes 4096x7168x7168 --config BLOCK_M=128,BLOCK_N=256,num_stages=3
 
 Shapes are MxNxK for Fprop ``y[M,N] = x[M,K]·W[N,K]ᵀ``; Dgrad computes ``dx[M,K] = dy[M,N]·W`` and Wgrad
-``dW[N,K] = dyᵀ·x`` (contraction over the M tokens) — 2·M·N·K FLOP each. Every layout is checked against
-``kernels.reference.gemm`` (dequantise, FP32 matmul) on fresh random inputs before it is timed.
-
-The ``_scaled_mm`` baseline is cuBLAS with the same block scales (1×128 activations / 128×128 weights for
-Fprop and Dgrad, 1×128 × 1×128 for Wgrad; needs sm_90 and CUDA ≥ 12.9). A candidate call is kept only if
-it runs *and* matches the reference; otherwise the row-wise FP8 GEMM (per-row amax scales: a speed
-reference with other numerics) is timed and the row says so.
+``dW[N,K] = dyᵀ·x`` (contraction over the M tokens) — 2·M·N·K FLOP each. Every engine is checked against
+``kernels.reference.gemm`` (dequantise, FP32 matmul) on fresh random inputs before it is timed; a row whose
+engine is off by more than ``ERR_TOL`` fails. torch's blockwise GEMM takes the same block scales (1×128
+activations / 128×128 weights for Fprop and Dgrad, 1×128 × 1×128 for Wgrad; sm_90, CUDA >= 12.9).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from bench import common
-from bench.common import (base_parser, fmt, parse_config, parse_shapes, past, print_table, rel_err, require_cuda,
-                          try_time)
+from bench.common import base_parser, fmt, parse_config, parse_shapes, past, print_table, rel_err, require_cuda, try_time
 
 DEFAULT_SHAPES = [
     (4096, 7168, 7168),     # square-ish reference point
@@ -35,48 +31,11 @@ LAYOUTS = ("fprop", "dgrad", "wgrad")
 ERR_TOL = 1e-2   # gross-error gate before timing; the tight bounds (1e-3) are the kernel tests'
 
 
-def scaled_mm_candidates(a, sa, b, sb, out_dtype):
-    """``(kind, fn)`` candidates computing ``a·bᵀ`` (our operand convention: both K-major, ``sa`` 1×128,
-    ``sb`` 128×128 blocks or per-row 1×128) with torch's FP8 GEMMs, most faithful first."""
-    from kernels.reference import TILE, _b_group
-    blocks_b = _b_group(b, sb) == TILE
-    sa_mm = sa.t().contiguous().t()                                     # 1×128 scales: outer-dim (M) major
-    sb_mm = sb.contiguous() if blocks_b else sb.t().contiguous().t()
-    cands = []
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-        rec_b = F.ScalingType.BlockWise128x128 if blocks_b else F.ScalingType.BlockWise1x128
-        cands.append(("blockwise (F.scaled_mm)", lambda: F.scaled_mm(
-            a, b.t(), sa_mm, F.ScalingType.BlockWise1x128, sb_mm.t(), rec_b, output_dtype=out_dtype)))
-    cands.append(("blockwise (torch._scaled_mm)", lambda: torch._scaled_mm(
-        a, b.t(), sa_mm, sb_mm.t(), out_dtype=out_dtype)))
-    row_a = sa.float().amax(1, keepdim=True).contiguous()               # other numerics: speed reference only
-    row_b = (sb.float().amax(1).repeat_interleave(128)[: b.shape[0]] if blocks_b else sb.float().amax(1))
-    row_b = row_b[None, :].contiguous()
-    cands.append(("row-wise (other numerics)", lambda: torch._scaled_mm(
-        a, b.t(), row_a, row_b, out_dtype=out_dtype)))
-    return cands
-
-
-def scaled_mm_baseline(a, sa, b, sb, out_dtype, want: torch.Tensor):
-    """``(fn, kind, err, why)``: the first blockwise candidate that runs and matches ``want`` within
-    ``ERR_TOL``, else the row-wise one (if it runs), else ``(None, "", None, reasons)``."""
-    reasons = []
-    for kind, fn in scaled_mm_candidates(a, sa, b, sb, out_dtype):
-        try:
-            err = rel_err(fn(), want)
-        except Exception as e:      # noqa: BLE001 - torch refuses this recipe/layout here: try the next
-            reasons.append(f"{kind}: {common.first_line(e, 80)}")
-            continue
-        if kind.startswith("row-wise") or err <= ERR_TOL:
-            return fn, kind, err, "; ".join(reasons)
-        reasons.append(f"{kind}: err {err:.1e} vs reference")
-    return None, "", None, "; ".join(reasons)
-
-
 def operands(M: int, N: int, K: int, pow2: bool = False, seed: int = 0):
     """Fresh random BF16 tensors and their FP8 forms; ``{layout: (gemm args, bf16 baseline fn)}``."""
-    from kernels import get_ops
-    tq = get_ops("triton")
+    import kernels
+    kernels.configure()
+    from kernels import quant as tq         # the raw kernels (the quantiser bench checks them bit for bit)
     torch.manual_seed(seed)
     dev = common.DEVICE
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -94,14 +53,35 @@ def operands(M: int, N: int, K: int, pow2: bool = False, seed: int = 0):
     }
 
 
+def _engine_row(row: dict, prefix: str, fn, want: torch.Tensor) -> None:
+    """``row[prefix + "_err"]`` vs ``want``, then ``row[prefix + "_ms"]`` if it is right (or why not)."""
+    try:
+        row[f"{prefix}_err"] = rel_err(fn(), want)
+    except Exception as e:      # noqa: BLE001 - an engine that does not run is a failed/absent row
+        row[f"{prefix}_err"], row[f"{prefix}_ms"] = None, None
+        row["notes"].append(f"{prefix}: {common.first_line(e, 100)}")
+        return
+    if not row[f"{prefix}_err"] <= ERR_TOL:
+        row[f"{prefix}_ms"] = None
+        row["notes"].append(f"{prefix}: wrong (err {row[f'{prefix}_err']:.1e}), not timed")
+        return
+    row[f"{prefix}_ms"], why = try_time(fn)
+    if why:
+        row["notes"].append(f"{prefix}: {why}")
+
+
 def measure(shapes, pow2: bool = False, config: dict | None = None, deadline: float | None = None,
             layouts=LAYOUTS, seed: int = 0) -> list[dict]:
-    """One row per (shape, layout) with ``ms`` (Triton FP8), ``bf16_ms``, ``scaled_ms`` / ``scaled_kind`` /
-    ``scaled_err``, ``err`` (vs reference), ``ok`` (err <= ERR_TOL), ``tflops`` & co., ``vs_bf16`` and
-    ``vs_scaled`` (speed-ups of the FP8 kernel). Shapes not started before ``deadline``: ``skipped=True``."""
-    from kernels import get_ops
+    """One row per (shape, layout): for each engine ``auto``, ``triton``, ``torch`` (blockwise scaled_mm) its
+    ``<engine>_err`` vs the reference and ``<engine>_ms``; ``bf16_ms``; ``auto_engine`` (what auto chose);
+    ``<engine>_tflops``; ``vs_bf16`` (auto over BF16), ``vs_torch`` (auto over torch blockwise) and
+    ``triton_vs_torch``; ``ok`` (auto and triton right). Shapes not started before ``deadline``:
+    ``skipped=True``."""
+    from kernels import get_ops, torch_gemm
     from kernels import reference as ref
-    tg = get_ops("triton")
+    tg = get_ops("triton", common.DEVICE)
+    auto = get_ops("auto", common.DEVICE)
+    torch_why = torch_gemm.unavailable(common.DEVICE)
     rows = []
     for i, (M, N, K) in enumerate(shapes):
         base = {"shape": f"{M}x{N}x{K}", "M": M, "N": N, "K": K}
@@ -112,25 +92,32 @@ def measure(shapes, pow2: bool = False, config: dict | None = None, deadline: fl
         flop = 2.0 * M * N * K
         for lay in layouts:
             gargs, bf16_fn = cases[lay]
-            row = base | {"layout": lay, "skipped": False, "flop": flop, "note": ""}
-            try:
-                want = ref.gemm(*gargs)
-                row["err"] = rel_err(tg.gemm(*gargs, config=config), want)
-            except Exception as e:      # noqa: BLE001 - a kernel that does not run is a failed row
-                rows.append(row | {"err": None, "ok": False, "ms": None, "note": common.first_line(e)})
-                continue
-            row["ok"] = row["err"] <= ERR_TOL
-            row["ms"], why = try_time(lambda: tg.gemm(*gargs, config=config))
-            row["bf16_ms"], why_bf16 = try_time(bf16_fn)
-            sfn, kind, serr, why_s = scaled_mm_baseline(*gargs, want)
+            row = base | {"layout": lay, "skipped": False, "flop": flop, "notes": []}
+            want = ref.gemm(*gargs)
+            _engine_row(row, "triton", lambda: tg.gemm(*gargs, config=config), want)
+            if torch_why:
+                row.update(torch_err=None, torch_ms=None)
+                row["notes"].append(f"torch: {torch_why}")
+            else:
+                _engine_row(row, "torch", lambda: torch_gemm.gemm(*gargs), want)
+            if config is None:
+                _engine_row(row, "auto", lambda: auto.gemm(*gargs), want)
+                row["auto_engine"] = (auto.choices.get(auto.gemm_key(gargs[0], gargs[2], gargs[3], gargs[4]), "?")
+                                      if hasattr(auto, "choices") else "emulation")
+            else:                               # an explicit launch config: auto is the Triton kernel here
+                row.update(auto_err=row["triton_err"], auto_ms=row["triton_ms"], auto_engine="triton (config)")
             del want
-            row["scaled_ms"], why_st = try_time(sfn) if sfn is not None else (None, "")
-            row.update(scaled_kind=kind or "refused", scaled_err=serr)
-            for key, ms in (("tflops", row["ms"]), ("bf16_tflops", row["bf16_ms"]), ("scaled_tflops", row["scaled_ms"])):
-                row[key] = None if ms is None else flop / ms / 1e9
-            row["vs_bf16"] = _speedup(row["ms"], row["bf16_ms"])
-            row["vs_scaled"] = _speedup(row["ms"], row["scaled_ms"])
-            row["note"] = "; ".join(n for n in (why, why_bf16 and f"bf16: {why_bf16}", why_st, why_s) if n)
+            row["bf16_ms"], why_bf16 = try_time(bf16_fn)
+            if why_bf16:
+                row["notes"].append(f"bf16: {why_bf16}")
+            for eng in ("auto", "triton", "torch", "bf16"):
+                ms = row.get(f"{eng}_ms")
+                row[f"{eng}_tflops"] = None if ms is None else flop / ms / 1e9
+            row["vs_bf16"] = _speedup(row["auto_ms"], row["bf16_ms"])
+            row["vs_torch"] = _speedup(row["auto_ms"], row["torch_ms"])
+            row["triton_vs_torch"] = _speedup(row["triton_ms"], row["torch_ms"])
+            row["ok"] = all(row.get(f"{e}_err") is not None and row[f"{e}_err"] <= ERR_TOL for e in ("auto", "triton"))
+            row["note"] = "; ".join(row.pop("notes"))
             rows.append(row)
         del cases
     return rows
@@ -140,20 +127,25 @@ def _speedup(ms: float | None, base_ms: float | None) -> float | None:
     return None if ms is None or base_ms is None else base_ms / ms
 
 
-HEADERS = ["shape MxNxK", "gemm", "triton fp8 TFLOP/s", "bf16 TFLOP/s", "fp8/bf16", "_scaled_mm TFLOP/s",
-           "fp8/_scaled_mm", "_scaled_mm kind", "err vs ref", "_scaled_mm err", "note"]
+HEADERS = ["shape MxNxK", "gemm", "auto fp8 TFLOP/s", "auto engine", "triton fp8 TFLOP/s", "torch blockwise TFLOP/s",
+           "bf16 TFLOP/s", "auto/bf16", "auto/torch", "triton/torch", "err auto", "err triton", "err torch", "note"]
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
     out = []
     for r in rows:
         if r.get("skipped"):
-            out.append([r["shape"], r["layout"], *[""] * 8, "not run: time budget"])
+            out.append([r["shape"], r["layout"], *[""] * 11, "not run: time budget"])
             continue
-        err = fmt(r.get("err"), ".1e") + ("" if r.get("ok") else " FAIL")
-        out.append([r["shape"], r["layout"], fmt(r.get("tflops")), fmt(r.get("bf16_tflops")),
-                    fmt(r.get("vs_bf16"), ".2f", "x"), fmt(r.get("scaled_tflops")), fmt(r.get("vs_scaled"), ".2f", "x"),
-                    r.get("scaled_kind", ""), err, fmt(r.get("scaled_err"), ".1e"), r.get("note", "")])
+
+        def err(key):
+            v = r.get(key)
+            return fmt(v, ".1e") + ("" if v is not None and v <= ERR_TOL else " FAIL" if v is not None else "")
+        out.append([r["shape"], r["layout"], fmt(r.get("auto_tflops")), r.get("auto_engine", ""),
+                    fmt(r.get("triton_tflops")), fmt(r.get("torch_tflops")), fmt(r.get("bf16_tflops")),
+                    fmt(r.get("vs_bf16"), ".2f", "x"), fmt(r.get("vs_torch"), ".2f", "x"),
+                    fmt(r.get("triton_vs_torch"), ".2f", "x"), err("auto_err"), err("triton_err"), err("torch_err"),
+                    r.get("note", "")])
     return out
 
 

@@ -101,9 +101,14 @@ def measure(experts_list, tokens: int = 32768, dim: int = 7168, inter: int = 204
     """One row per (E, up/down, pass) with ``ms`` (Triton FP8), ``bf16_ms`` (``torch._grouped_mm``),
     ``scaled_ms`` (``torch._scaled_grouped_mm``, row-wise scales), ``err``, ``ok``, TFLOP/s and
     speed-ups ``vs_bf16`` / ``vs_scaled``. Cases not started before ``deadline``: ``skipped=True``."""
-    from kernels import get_ops
+    import types
+
+    from kernels import get_ops, quant
     from kernels import reference as ref
-    tq = get_ops("triton")
+    tg = get_ops("triton", common.DEVICE)       # raw quantisers (bench.fp8_quant checks them), default GEMMs
+    tq = types.SimpleNamespace(quant_act=quant.quant_act, quant_act_t=quant.quant_act_t,
+                               quant_weight=quant.quant_weight, grouped_gemm=tg.grouped_gemm,
+                               grouped_wgrad=tg.grouped_wgrad)
     rows = []
     R = tokens
     for E in experts_list:

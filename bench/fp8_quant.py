@@ -31,9 +31,10 @@ def measure(shapes, pow2: bool = False, deadline: float | None = None, seed: int
     """One row per (shape, kernel): ``gbs`` (kernel), ``copy_gbs``, ``of_copy`` (gbs / copy_gbs), ``ref_gbs``,
     ``exact`` (bit-exact vs the reference), ``note``. Shapes not started before ``deadline`` get rows with
     ``skipped=True``."""
-    from kernels import get_ops
+    import kernels
+    kernels.configure()
+    from kernels import quant as tquant     # the raw kernels: get_ops("triton") would fall back to the reference
     from kernels import reference as ref
-    tquant = get_ops("triton")
     rows = []
     for i, (R, C) in enumerate(shapes):
         if past(deadline):

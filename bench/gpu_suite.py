@@ -6,7 +6,9 @@ markdown report (and ``REPORT.json`` beside it) after every part, so a killed ru
 parts on disk, records a part that fails and goes on, prints a summary table last, and exits 1 if any part
 failed or did not run for lack of time (0 otherwise; ``--strict-targets``: also 1 if a target is missed).
 
-Parts (``--parts kernels,quant,gemm,grouped,trainer,step``; default all, in this order):
+Parts (``--parts engines,kernels,quant,gemm,grouped,trainer,step``; default all, in this order):
+  engines  (a) self-checks of every launch variant of the Triton GEMMs (warp-specialised too), of the Triton
+           quantisers (bit-exact) and of torch's blockwise GEMM on this device; the engines ``auto`` uses per op.
   kernels  (a) ``pytest tests/test_fp8_kernels.py tests/test_fp8_linear.py tests/test_hopper_gate.py``, compiled
            on the GPU (subprocess, timeout), pass/fail counts from its JUnit XML.
   quant    (b) FP8 quantisers (1×128, 128×1 transposed, 128×128) in GB/s beside a device-to-device copy of the
@@ -55,7 +57,8 @@ from pathlib import Path
 
 from bench import suite_report as rep
 from bench.gpu_suite_ctx import PART_KEYS, ROOT, TITLES, Ctx, declared_marks, run_cmd
-from bench.gpu_suite_parts import part_gemm, part_grouped, part_kernels, part_quant, part_step, part_trainer
+from bench.gpu_suite_parts import (part_engines, part_gemm, part_grouped, part_kernels, part_quant, part_step,
+                                   part_trainer)
 from bench.suite_report import Part
 
 
@@ -146,7 +149,7 @@ def source_fingerprint(dirs=("kernels", "parallel", "models", "trainer", "config
     return h.hexdigest()[:12]
 
 
-PART_FUNCS = {"kernels": part_kernels, "quant": part_quant, "gemm": part_gemm, "grouped": part_grouped,
+PART_FUNCS = {"engines": part_engines, "kernels": part_kernels, "quant": part_quant, "gemm": part_gemm, "grouped": part_grouped,
               "trainer": part_trainer, "step": part_step}
 
 

@@ -13,11 +13,50 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.gpu_suite_ctx import (DENSE_MIN, GROUPED_MIN, QUANT_MIN, QUANT_TARGET_ELEMS, QUANT_TARGET_KERNELS, ROOT,
+from bench.gpu_suite_ctx import (DENSE_MIN, DENSE_VS_TORCH_MIN, GROUPED_MIN, QUANT_MIN, QUANT_TARGET_ELEMS, QUANT_TARGET_KERNELS, ROOT,
                                  STEP_MIN, Ctx, declared_marks, run_cmd, tail)
 from bench.suite_report import Mark, Part, Table, min_mark
 
-KERNEL_TESTS = ("tests/test_fp8_kernels.py", "tests/test_fp8_linear.py", "tests/test_hopper_gate.py")
+KERNEL_TESTS = ("tests/test_fp8_kernels.py", "tests/test_fp8_engines.py", "tests/test_fp8_linear.py",
+                "tests/test_hopper_gate.py")
+
+
+# ---------------------------------------------------------------------------------------------- (a) engines
+def part_engines(ctx: Ctx, part: Part) -> None:
+    """Every launch variant of the Triton GEMMs (warp-specialised included), the Triton quantisers and torch's
+    blockwise GEMM, self-checked on this device; then what ``auto`` uses per op."""
+    import torch
+
+    import kernels
+    from bench import common
+    kernels.configure()
+    from kernels import gemm, grouped_gemm, quant, selfcheck, torch_gemm
+    dev = torch.device(common.DEVICE)
+    checks = [(k, name, (lambda fn=fn, v=v: fn(v, dev)), selfcheck.GEMM_TOL)
+              for k, fn in (("gemm", gemm.self_check), ("grouped_gemm", grouped_gemm.self_check_gemm),
+                            ("grouped_wgrad", grouped_gemm.self_check_wgrad))
+              for name, v in gemm.VARIANTS.items()]
+    checks.append(("quantisers", "triton", lambda: quant.self_check(dev), 0.0))
+    if not torch_gemm.unavailable(dev):
+        checks.append(("gemm", "torch scaled_mm", lambda: torch_gemm.self_check(dev), selfcheck.GEMM_TOL))
+    rows = []
+    for kernel, name, run, tol in checks:
+        t0 = time.monotonic()
+        verdict, _ = selfcheck.check(kernel, name, dev, run, tol)
+        rows.append([kernel, name, "right" if verdict.ok else "WRONG", rep_f(verdict.err, ".1e"),
+                     f"{(time.monotonic() - t0) * 1e3:.0f}", verdict.why])
+    part.tables.append(Table(["kernel", "variant", "verdict", "error", "check ms (incl. compile)", "why"], rows))
+    ops = kernels.get_ops("auto", dev)
+    summary = ops.summary() if hasattr(ops, "summary") else "auto = emulation (no CUDA)"
+    part.notes.append(f"`auto`: {summary}")
+    part.notes.append(f"device: {selfcheck.device_id(dev)}. Errors: relative (Frobenius) vs `kernels/reference.py` on "
+                      f"small ragged problems (limit {selfcheck.GEMM_TOL:.0e}); quantisers: fraction of bytes/scales "
+                      f"that differ (must be 0).")
+    ok = "NONE" not in summary
+    part.marks = [Mark("default engines right on this device", "every op has a self-checked engine",
+                       summary.split(": ", 1)[-1], ok, "check")]
+    wrong = [f"{r[0]} {r[1]}" for r in rows if r[2] != "right"]
+    part.headline = f"{len(rows) - len(wrong)} of {len(rows)} right" + (f"; wrong: {', '.join(wrong)}" if wrong else "")
 
 
 # ---------------------------------------------------------------------------------------------- (a) kernels
@@ -42,7 +81,8 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
         part.status, part.headline = "skipped", "no kernel test files"
         return
     xml = ctx.tmp / "kernels.xml"
-    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    # not the slow test: 200 training steps of the tiny model in FP8 emulation on the CPU (no GPU kernel)
+    cmd = [sys.executable, "-m", "pytest", *files, "-q", "-m", "not slow", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     if importlib.util.find_spec("xdist") is not None and not ctx.smoke:
         cmd += ["-n", "4"]
     if importlib.util.find_spec("pytest_timeout") is not None:
@@ -51,8 +91,11 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
     part.notes.append(f"command: `{shlex.join(['python', *cmd[1:]]).replace(str(ctx.tmp), '$TMP')}` "
                       f"(timeout {budget:.0f} s)")
     from bench.train_check import env_with_path
+    ok, site, why = hydra_path(ctx)         # test_fp8_linear's model tests read the presets through omegaconf
+    if not ok:
+        part.notes.append(f"without omegaconf (its tests skip): {why}")
     try:
-        proc = run_cmd(cmd, env=env_with_path(None), timeout=budget)
+        proc = run_cmd(cmd, env=env_with_path(site), timeout=budget)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = None, (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
@@ -126,19 +169,24 @@ def part_gemm(ctx: Ctx, part: Part) -> None:
     part.tables.append(Table(fp8_gemm.HEADERS, fp8_gemm.table_rows(rows)))
     done = [r for r in rows if not r.get("skipped")]
     large = [r for r in done if ctx.smoke or is_large(r["M"], r["N"], r["K"])]
-    part.marks = [min_mark(f"dense FP8 GEMM {lay} vs torch BF16, large shapes", f">= {DENSE_MIN:.2f}x", DENSE_MIN,
-                           [(r["shape"], r.get("vs_bf16")) for r in large if r["layout"] == lay])
+    part.marks = [min_mark(f"dense FP8 GEMM {lay} (auto) vs torch BF16, large shapes", f">= {DENSE_MIN:.2f}x",
+                           DENSE_MIN, [(r["shape"], r.get("vs_bf16")) for r in large if r["layout"] == lay])
                   for lay in fp8_gemm.LAYOUTS]
+    part.marks.append(min_mark("dense FP8 GEMM (auto) vs torch blockwise scaled_mm", f">= {DENSE_VS_TORCH_MIN:.2f}x",
+                               DENSE_VS_TORCH_MIN, [(f"{r['shape']} {r['layout']}", r.get("vs_torch")) for r in done]))
     n_ok = sum(bool(r.get("ok")) for r in done)
-    part.marks.append(Mark("dense FP8 GEMM matches reference", "rel. err <= 1e-2 everywhere",
+    part.marks.append(Mark("dense FP8 GEMM matches reference (auto, triton)", "rel. err <= 1e-2 everywhere",
                            f"{n_ok} of {len(done)}", bool(done) and n_ok == len(done), "check"))
-    kinds = sorted({r.get("scaled_kind", "") for r in done if r.get("scaled_kind")})
+    engines = sorted({r.get("auto_engine", "") for r in done if r.get("auto_engine")})
     part.notes += ["Large shapes (target): M >= 8192, N >= 7168, K >= 7168. TFLOP/s = 2·M·N·K / median time. "
-                   "fp8/bf16 and fp8/_scaled_mm are speed-ups of the Triton kernel (> 1: faster).",
-                   f"_scaled_mm baselines used: {', '.join(kinds) or 'none'} (row-wise = other numerics, a speed "
-                   f"reference only; a blockwise call is used only when it matches the reference)."]
+                   "auto/bf16, auto/torch and triton/torch are speed-ups (> 1: faster). `auto` picks, per shape, the "
+                   "fastest self-checked engine (kernels/auto.py); torch blockwise = `F.scaled_mm` with the same "
+                   "block scales (kernels/torch_gemm.py).",
+                   f"engines auto chose: {', '.join(engines) or 'none'}."]
     heads = _min_ratios(large, "layout", fp8_gemm.LAYOUTS)
-    part.headline = ("large shapes, min fp8/bf16: " + ", ".join(heads)) if heads else "no timings"
+    vs_torch = [r["vs_torch"] for r in done if r.get("vs_torch")]
+    part.headline = (("large shapes, min auto/bf16: " + ", ".join(heads)) if heads else "no timings") + (
+        f"; min auto/torch {min(vs_torch):.2f}x" if vs_torch else "")
     _skipped_note(part, rows)
 
 
@@ -273,6 +321,13 @@ def part_step(ctx: Ctx, part: Part) -> None:
     import torch
 
     from bench.train_check import H100_BF16_PEAK, measure_step_fitting, reduced_config
+    ok, site, why = hydra_path(ctx)         # the model presets live in configs/, which imports omegaconf
+    if not ok:
+        part.status, part.headline = "skipped", "omegaconf unavailable"
+        part.notes.append(f"skipped: {why}")
+        return
+    if site and site not in sys.path:
+        sys.path.insert(0, site)
     if ctx.smoke:
         cfg, batch, seq, dev, iters = reduced_config("tiny", 2), 2, 64, "cpu", 1
     else:
@@ -283,7 +338,7 @@ def part_step(ctx: Ctx, part: Part) -> None:
             part.notes.append(f"{prec}: not run (time budget)")
             continue
         try:
-            res[prec] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters)
+            res[prec] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters, profile=True)
         except Exception as e:      # noqa: BLE001 - record and go on to the other precision
             part.error += f"{prec}: {type(e).__name__}: {e}\n"
             part.log += f"[{prec}]\n{traceback.format_exc(limit=6)}\n"
@@ -298,6 +353,16 @@ def part_step(ctx: Ctx, part: Part) -> None:
             part.notes.append(f"{prec}: out of memory at batch {r['oom_retries']}, measured at batch {r['batch']}")
     part.tables.append(Table(["precision", "batch x seq", "step ms (median)", "tokens/s", "model TFLOP/s",
                               f"MFU (vs {H100_BF16_PEAK / 1e12:.0f})", "peak mem GB", "loss", "step times ms"], rows))
+    for prec, r in res.items():
+        prof = r.get("profile") or {}
+        if prof.get("top"):
+            part.tables.append(Table([f"{prec}: top GPU kernels", "calls", "ms", "share of GPU time"],
+                                     [[name, n, f"{ms:.2f}", f"{share:.1%}"] for name, n, ms, share in prof["top"]]))
+            part.notes.append(f"{prec} profile: GPU busy {prof['busy_ms']:.1f} ms = {prof['busy_fraction']:.0%} of the "
+                              f"{r['step_s'] * 1e3:.1f} ms step, {prof['launches']} kernel launches (one profiled step "
+                              f"after the timed ones).")
+        elif prof.get("error"):
+            part.notes.append(f"{prec} profile: {prof['error']}")
     speed = res["bf16"]["step_s"] / res["fp8"]["step_s"] if "bf16" in res and "fp8" in res else None
     part.marks = [min_mark("FP8 training step faster than BF16", f"> {STEP_MIN:.2f}x",
                            STEP_MIN + 1e-9, [("bf16 step / fp8 step", speed)]),

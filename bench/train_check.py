@@ -164,11 +164,11 @@ def run_tiny(run: TinyRun, steps: int, cache_dir: Path, env: dict, timeout_s: fl
         run.error = f"exit code {run.returncode}"
     try:
         rows = read_metrics(run.run_dir)
-        run.losses = [float(r["loss"]) for r in rows]
+        run.losses = [math.nan if r.get("loss") is None else float(r["loss"]) for r in rows]   # null: NaN logged
         run.tokens_per_s = steady_tokens_per_s(rows)
         if bad := timer_problems(rows):
             run.error = run.error or f"phase times (trainer/timers.py) missing or over the step time at steps {bad[:5]}"
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         run.error = run.error or f"no metrics: {type(e).__name__}: {e}"
     return run
 
@@ -190,7 +190,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, profile: bool = False) -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
     last loss."""
@@ -229,6 +229,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
 
     times, loss = _timed_steps(step, dev, warmup, iters)
     step_s = statistics.median(times)
+    prof = profile_step(step, dev, step_s) if profile else None
     tokens = batch * seq
     fpt = flops_per_token(cfg, seq).per_token
     tps = tokens / step_s
@@ -236,7 +237,31 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     del model, opt, ids, inputs, labels
     return {"precision": precision, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
             "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
-            "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss)}
+            "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
+
+
+def profile_step(step, dev, step_s: float, top: int = 12) -> dict:
+    """One more ``step`` under ``torch.profiler``: the ``top`` GPU kernels by total time (name, calls, ms, share)
+    and the GPU-busy fraction (summed kernel time over the un-profiled median ``step_s``; streams that overlap
+    count twice). Off CUDA, or when the profiler fails: ``{"error": ...}``."""
+    import torch
+    if dev.type != "cuda":
+        return {"error": "no CUDA"}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize(dev)
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.self_device_time_total > 0]
+    except Exception as e:  # noqa: BLE001 - the profile is an extra; the step's figures stand without it
+        return {"error": f"{type(e).__name__}: {e}"}
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    rows = [(e.key[:90], e.count, e.self_device_time_total / 1e3, e.self_device_time_total / busy_us)
+            for e in kernels[:top]]
+    return {"busy_ms": busy_us / 1e3, "busy_fraction": busy_us / 1e6 / step_s, "launches": sum(e.count for e in kernels),
+            "top": rows}
 
 
 def _timed_steps(step, dev, warmup: int, iters: int) -> tuple[list[float], float]:
