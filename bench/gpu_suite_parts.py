@@ -36,7 +36,10 @@ def part_engines(ctx: Ctx, part: Part) -> None:
               for k, fn in (("gemm", gemm.self_check), ("grouped_gemm", grouped_gemm.self_check_gemm),
                             ("grouped_wgrad", grouped_gemm.self_check_wgrad))
               for name, v in gemm.VARIANTS.items()]
-    checks.append(("quantisers", "triton", lambda: quant.self_check(dev), 0.0))
+    checks += [(op, "triton", lambda op=op: quant.self_check(op, dev), 0.0)
+               for op in ("quant_act", "quant_act_t", "quant_weight")]
+    checks.append(("quant_act_t", "transposed",
+                   lambda: quant.self_check("quant_act_t", dev, quant.quant_act_t_transposed), 0.0))
     if not torch_gemm.unavailable(dev):
         checks.append(("gemm", "torch scaled_mm", lambda: torch_gemm.self_check(dev), selfcheck.GEMM_TOL))
     rows = []
@@ -67,9 +70,21 @@ def junit_counts(xml_path: str | Path) -> dict:
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     c["passed"] = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
-    c["failed_ids"] = [f"{tc.get('classname', '')}::{tc.get('name', '')}" for tc in root.iter("testcase")
-                       if tc.find("failure") is not None or tc.find("error") is not None]
+    c["failed_ids"], c["messages"] = [], {}
+    for tc in root.iter("testcase"):
+        bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+        if bad is not None:
+            name = f"{tc.get('classname', '')}::{tc.get('name', '')}"
+            c["failed_ids"].append(name)
+            c["messages"][name] = _failure_line(bad.get("message", "") or bad.text or "")
     return c
+
+
+def _failure_line(text: str, width: int = 240) -> str:
+    """The line of a pytest failure that says what failed (``E   ...``/the assertion), shortened."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    pick = next((ln for ln in lines if ln.startswith("E ") or "Error" in ln), lines[0] if lines else "")
+    return pick.replace("|", "/")[:width]
 
 
 def part_kernels(ctx: Ctx, part: Part) -> None:
@@ -112,6 +127,8 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
     if c["failed_ids"]:
         part.notes.append("failed: " + ", ".join(f"`{t}`" for t in c["failed_ids"][:30]) +
                           (f" (+{len(c['failed_ids']) - 30} more)" if len(c["failed_ids"]) > 30 else ""))
+        part.tables.append(Table(["failed test", "first line of the failure"],
+                                 [[t, msg] for t, msg in list(c["messages"].items())[:40]]))
     ok = rc == 0 and c["failures"] == 0 and c["errors"] == 0 and c["passed"] > 0
     part.marks = [Mark("kernel tests pass compiled on the GPU", "0 failed, 0 errors",
                        f"{c['passed']} passed, {c['failures']} failed, {c['errors']} errors, {c['skipped']} skipped",

@@ -80,18 +80,24 @@ def _device_key(device: torch.device | str) -> torch.device:
 
 @functools.cache
 def triton_ops() -> types.SimpleNamespace:
-    """The Triton kernels; quantisers that are not bit-exact vs the reference on a device give way to the
-    reference's there (one warning), GEMMs run their self-checked default launch variant."""
+    """The Triton kernels; a quantiser that is not bit-exact vs the reference on a device gives way there (one
+    warning) to the next that is (``quant_act_t``: its transposed composition), else to the reference's; GEMMs
+    run their self-checked default launch variant."""
     configure()
     from . import auto, gemm, grouped_gemm, quant, reference
 
     def checked(op):
-        kernel, fallback = getattr(quant, op), getattr(reference, op)
+        chain = [("triton", getattr(quant, op))]
+        if op == "quant_act_t":
+            chain.append(("transposed", quant.quant_act_t_transposed))
+        fallback = getattr(reference, op)
 
-        @functools.wraps(kernel)
+        @functools.wraps(chain[0][1])
         def run(x, *args, **kwargs):
-            ok = x.device.type == "meta" or auto.triton_quant_exact(x.device)
-            return (kernel if ok else fallback)(x, *args, **kwargs)
+            if x.device.type == "meta":
+                return chain[0][1](x, *args, **kwargs)
+            fn = next((f for v, f in chain if auto.triton_quant_exact(op, x.device, f, v)), fallback)
+            return fn(x, *args, **kwargs)
         return run
 
     return types.SimpleNamespace(

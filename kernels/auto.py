@@ -1,8 +1,9 @@
 """The ``auto`` FP8 backend on a GPU: per op, the fastest engine that passed its self-check on this device.
 
 Engines per op, in order of preference (``cuda_engines``):
-- quantisers: the Triton kernels when they are bit-exact vs ``reference.py`` on this device, else the
-  reference's plain-torch quantisers;
+- quantisers: the Triton kernels when they are bit-exact vs ``reference.py`` on this device (for the 128×1
+  transposed one also its composition ``quant.quant_act_t_transposed``), else the reference's plain-torch
+  quantisers;
 - ``gemm``: torch's blockwise ``scaled_mm`` (cuBLASLt, ``torch_gemm.py``) where the running torch and device
   have it and the operands suit it, and the Triton kernel (its first self-checked launch variant);
 - ``grouped_gemm`` / ``grouped_wgrad``: the Triton kernels (torch has no blockwise-scaled grouped GEMM in the
@@ -189,8 +190,10 @@ def cuda_engines() -> dict[str, list[Engine]]:
     configure()
     from . import gemm, grouped_gemm, quant, reference, torch_gemm
 
-    def quant_ok(device):
-        return None if triton_quant_exact(device) else "not bit-exact on this device (the reference quantises)"
+    def quant_ok(op, fn=None, variant="triton"):
+        def ok(device):
+            return None if triton_quant_exact(op, device, fn, variant) else "not bit-exact on this device"
+        return ok
 
     def torch_ok(device):
         why = torch_gemm.unavailable(device)
@@ -209,8 +212,10 @@ def cuda_engines() -> dict[str, list[Engine]]:
     def ref_ok(device):
         return None
 
-    quantisers = {op: [Engine("triton", getattr(quant, op), quant_ok),
+    quantisers = {op: [Engine("triton", getattr(quant, op), quant_ok(op)),
                        Engine("reference", getattr(reference, op), ref_ok, fallback=True)] for op in QUANT_OPS}
+    quantisers["quant_act_t"].insert(1, Engine("triton transposed", quant.quant_act_t_transposed,
+                                               quant_ok("quant_act_t", quant.quant_act_t_transposed, "transposed")))
     return quantisers | {
         "gemm": [Engine("torch scaled_mm", torch_gemm.gemm, torch_ok, torch_gemm.accepts),
                  Engine("triton", gemm.gemm, variant_ok("gemm", gemm.self_check)),
@@ -224,11 +229,12 @@ def cuda_engines() -> dict[str, list[Engine]]:
     }
 
 
-def triton_quant_exact(device: torch.device) -> bool:
-    """Whether the Triton quantisers are bit-exact vs the reference on ``device`` (checked once, cached)."""
+def triton_quant_exact(op: str, device: torch.device, fn=None, variant: str = "triton") -> bool:
+    """Whether Triton quantiser ``op`` (``fn``, default ``quant.<op>``) is bit-exact vs the reference on
+    ``device`` (checked once per process, cached; a failure logs one warning)."""
     from . import quant
-    verdict, fresh = selfcheck.check("quantisers", "triton", device, lambda: quant.self_check(device), tol=0.0)
+    verdict, fresh = selfcheck.check(op, variant, device, lambda: quant.self_check(op, device, fn), tol=0.0)
     if fresh and not verdict.ok:
-        log.warning("fp8 self-check: the Triton quantisers are not bit-exact on %s: %s; using the plain-torch "
-                    "quantisers of kernels/reference.py", selfcheck.device_id(device), verdict.why)
+        log.warning("fp8 self-check: the Triton quantiser %s (%s) is not bit-exact on %s: %s", op, variant,
+                    selfcheck.device_id(device), verdict.why)
     return verdict.ok

@@ -144,11 +144,14 @@ def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def quant_act(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M,K]`` (fp32/bf16/fp16, rows contiguous) -> ``q [M,K]`` e4m3, ``s [M,⌈K/128⌉]`` fp32."""
+def quant_act(x: torch.Tensor, pow2: bool = False, q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M,K]`` (fp32/bf16/fp16, rows contiguous) -> ``q [M,K]`` e4m3, ``s [M,⌈K/128⌉]`` fp32 (into ``q``, an
+    ``[M,K]`` view with contiguous rows, if given)."""
     _check_input(x, (2,))
     M, K = x.shape
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    if q is None:
+        q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    assert q.shape == (M, K) and q.dtype == FP8_DTYPE and q.stride(1) == 1, (q.shape, q.dtype, q.stride())
     s = torch.empty((M, cdiv(K, TILE)), dtype=torch.float32, device=x.device)
     if M and K:
         block_m = _rows_block(M, 32)
@@ -199,25 +202,66 @@ def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
     return (q, s, qt) if transpose else (q, s)
 
 
+def quant_act_t_transposed(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_act_t`` as the reference computes it: the 128×1 tiles of ``x`` are the 1×128 tiles of ``xᵀ`` (in
+    tile space with ``tokens_per_expert``), so torch writes that transposed copy and ``quant_act`` quantises it.
+    Same outputs, bit for bit, with an extra pass over ``x``: the engine ``auto`` falls back to when the direct
+    kernel fails its self-check on a device."""
+    _check_input(x, (2,))
+    R, C = x.shape
+    if tokens_per_expert is None:
+        cols = R
+        xt = x.t()
+    else:
+        from .reference import act_t_columns, act_t_tiles
+        cols = act_t_tiles(tokens_per_expert, R) * TILE
+        xt = x.new_zeros(cols, C).index_copy_(0, act_t_columns(tokens_per_expert.to(x.device), R), x).t()
+    width = -(-cols // 16) * 16                                  # rows of qT 16-byte aligned (TMA's rule)
+    xt_c = torch.empty((C, width), dtype=x.dtype, device=x.device)[:, :cols].copy_(xt)
+    q = torch.empty((C, width), dtype=FP8_DTYPE, device=x.device)[:, :cols]
+    return quant_act(xt_c, pow2, q=q)
+
+
 # ------------------------------------------------------------------------------------------------ self-check
-def self_check(device: torch.device) -> float:
-    """Fraction of FP8 bytes and scales that differ from ``reference.py`` (0.0: bit-exact) over every quantiser,
-    both scale modes, on rows spanning 1e-30..1e30 with an all-zero tile, E4M3 subnormals and ragged tiles."""
-    from . import reference as ref
-    from .selfcheck import mismatch
+def self_check_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows spanning 1e-30..1e30 with an all-zero tile, E4M3 subnormals, ragged tiles and 16-divisible widths
+    (``x [200, 320]``), and ragged expert counts summing to 200."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 320, generator=g) * torch.logspace(-30, 30, 200)[:, None]
     x[3, :128] = 0.0
     x[4, :128] = torch.randn(128, generator=g) * 1e-9
     x[4, 7] = 1.0
-    x = x.to(device)
-    tpe = torch.tensor([0, 130, 5, 0, 64, 1], device=device)
-    worst = 0.0
+    return x.to(device), torch.tensor([0, 130, 5, 0, 64, 1], device=device)
+
+
+def self_check(op: str, device: torch.device, fn=None) -> float:
+    """Fraction of FP8 bytes and scales of ``op`` (``quant_act``, ``quant_act_t``, ``quant_weight``; ``fn``: the
+    function to check, default this module's) that differ from ``reference.py`` (0.0: bit-exact), both scale
+    modes, on ``self_check_inputs``; the case that differs most is named in the raised error."""
+    from . import reference as ref
+    from .selfcheck import mismatch
+    fn = fn or globals()[op]
+    x, tpe = self_check_inputs(device)
+    cases = {"quant_act": [("bf16", (x.bfloat16(),), {}), ("fp32 16-row-divisible", (x[:192],), {})],
+             "quant_act_t": [("dense", (x, None), {}), ("experts", (x, tpe), {}),
+                             ("dense, 300 rows", (torch.cat([x, x[:100]]), None), {})],
+             "quant_weight": [("3-D, transposed copy", (x.view(2, 100, 320),), {"transpose": True}),
+                              ("2-D", (x[:136],), {})]}[op]
+    worst, where = 0.0, ""
     for pow2 in (False, True):
-        for got, want in ((quant_act(x.bfloat16(), pow2), ref.quant_act(x.bfloat16(), pow2)),
-                          (quant_act_t(x, None, pow2), ref.quant_act_t(x, None, pow2)),
-                          (quant_act_t(x, tpe, pow2), ref.quant_act_t(x, tpe, pow2)),
-                          (quant_weight(x.view(2, 100, 320), pow2, transpose=True),
-                           ref.quant_weight(x.view(2, 100, 320), pow2, transpose=True))):
-            worst = max([worst] + [mismatch(g_, w_) for g_, w_ in zip(got, want)])
-    return worst
+        for label, args, kwargs in cases:
+            got, want = fn(*args, pow2=pow2, **kwargs), getattr(ref, op)(*args, pow2=pow2, **kwargs)
+            for name, g_, w_ in zip(("q", "s", "q_t"), got, want):
+                m = mismatch(g_, w_)
+                if m > worst:
+                    worst, where = m, f"{op} {label}, pow2={pow2}: {name} {tuple(g_.shape)}"
+    if worst:
+        raise QuantMismatch(worst, where)
+    return 0.0
+
+
+class QuantMismatch(AssertionError):
+    def __init__(self, fraction: float, where: str):
+        super().__init__(f"{fraction:.2%} of the elements differ from the reference, worst at {where}")
+        self.fraction = fraction

@@ -23,6 +23,10 @@ from models.moe import GroupedExperts
 from parallel.fp8 import FP8GroupedExperts, FP8Linear, apply_fp8
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton vs emulation in FP32, one GEMM: the interpreter sums in FP32 (agreement ~1e-6); Hopper's FP8 tensor
+# cores add each 128-product tile with fewer bits before the kernel promotes it, measured on an H100 at
+# 1.1e-4 (FP32 out) to 6.7e-4 (BF16 out) vs the reference (kernels' self-checks), so 1e-3 there.
+FP32_AGREE = 1e-3 if DEV == "cuda" else 1e-5
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
@@ -70,13 +74,13 @@ def test_fp8_linear_gradients_within_quantisation_error():
 @needs_triton
 @pytest.mark.parametrize("autocast", [False, True])
 def test_triton_linear_matches_emulation(autocast):
-    """Same quantisation, only the FP32 summation order differs: agreement to ~1e-6."""
+    """Same quantisation, only the summation differs: agreement to ~1e-6 on the CPU (``FP32_AGREE``)."""
     _, emu = make_linear("emulation", 192, 320)
     tri = FP8Linear.from_linear(copy.deepcopy(emu), "triton")
     x, dy = torch.randn(3, 100, 320, device=DEV), torch.randn(3, 100, 192, device=DEV)
     for g, w in zip(run_linear(tri, x, dy, autocast), run_linear(emu, x, dy, autocast)):
         assert g.dtype == w.dtype and g.shape == w.shape
-        assert rel(g, w) < (4e-3 if g.dtype == torch.bfloat16 else 1e-5)
+        assert rel(g, w) < (4e-3 if g.dtype == torch.bfloat16 else FP32_AGREE)
     y, dx, dw = run_linear(tri, x, dy, autocast)
     assert y.dtype == (torch.bfloat16 if autocast else torch.float32)
     assert dx.dtype == torch.float32 and dw.dtype == torch.float32
@@ -109,8 +113,9 @@ def test_fp8_grouped_experts_match_fp32_and_triton_matches_emulation():
     for name, w, e, t in zip(("y", "dx", "dw1", "dw2", "dw3"), want, got_emu, got_tri):
         print(f"{name}: fp8 vs fp32 {rel(e, w):.4f}, triton vs emulation {rel(t, e):.1e}")
         # Chained GEMMs: an intermediate that differs in its last FP32 bit (summation order) may round to
-        # the neighbouring E4M3 value when re-quantised, so agreement here is ~1e-5, not ~1e-7.
-        assert rel(t, e) < 5e-4, (name, rel(t, e))
+        # the neighbouring E4M3 value when re-quantised, so agreement here is ~1e-5, not ~1e-7 (on a GPU the
+        # first GEMM already differs by up to FP32_AGREE, and the re-quantised chain by a few times that).
+        assert rel(t, e) < (5e-4 if DEV == "cpu" else 5 * FP32_AGREE), (name, rel(t, e))
         assert rel(e, w) < 0.09, (name, rel(e, w))    # two chained FP8 GEMMs + SwiGLU: ~0.05
     for grads in (got_emu, got_tri):
         assert all((g[0] == 0).all() and (g[3] == 0).all() for g in grads[2:])   # experts without tokens

@@ -219,6 +219,8 @@ def test_junit_counts_and_kernel_part_from_a_real_pytest_run(tmp_path, monkeypat
     assert part.marks[0].met is False
     c = gsp.junit_counts(tmp_path / "kernels.xml")
     assert (c["tests"], c["passed"], c["failures"], c["skipped"]) == (4, 2, 1, 1) and len(c["failed_ids"]) == 1
+    (name, line), = part.tables[1].rows                       # what failed, in the report itself
+    assert name.endswith("test_c") and "assert 1 == 2" in line
 
 
 # ------------------------------------------------------------------------------------------------ (c) losses
