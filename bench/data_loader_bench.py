@@ -3,7 +3,7 @@ synthetic corpus vs a 1M-token one, and the loader's random-window rate vs the t
 
     python -m bench.data_loader_bench --tokens 1e9 --dir /tmp/dsv3-bench-tokens
 
-The corpus is generated directly as token shards (Megatron .bin/.idx via trainer.tokens.write_shard: random
+The corpus is generated directly as token shards (Megatron .bin/.idx via data.shards.write_shard: random
 ids below the tiny model's vocabulary, documents of 500-4,000 tokens, EOS-terminated), not tokenized. Each
 trainer run is a fresh process (``+exp=tiny``, ``data.blend=[{path: ...}]``, 3 steps, no validation, no
 checkpoint): it reports the seconds from process start to a built Trainer, VmRSS then, and the peak RSS after
@@ -49,7 +49,7 @@ print("RESULT " + json.dumps({"startup_s": built, "rss_built_mb": rss_built / 2*
 
 def make_corpus(prefix_dir: Path, n_tokens: int, n_shards: int, seed: int = 0) -> Path:
     """``n_shards`` Megatron shards totalling about ``n_tokens`` (skipped when already there)."""
-    from trainer.tokens import write_shard
+    from data.shards import write_shard
     prefix_dir.mkdir(parents=True, exist_ok=True)
     done = prefix_dir / "done.json"
     if done.exists() and json.loads(done.read_text())["target"] == n_tokens:
@@ -86,8 +86,8 @@ def run_trainer(corpus: Path, run_dir: Path) -> dict:
 
 
 def loader_rate(corpus: Path, seconds: float = 5.0) -> float:
-    from trainer.blend import BlendedBatches
-    from trainer.tokens import open_tokens
+    from data.blend import BlendedBatches
+    from data.shards import open_tokens
     b = BlendedBatches([open_tokens(str(corpus))], [1.0], ["big"], seq_len=128, seed=0)
     b.next_batch(16)
     n, t0 = 0, time.perf_counter()

@@ -16,7 +16,7 @@ gradients, then measures a second step two ways:
   each op's outputs; ``StorageWeakRef`` tells when a storage is freed), peak over the step. The
   allocator's view: saved tensors plus recomputed ones, gradients of activations, logits, p2p buffers.
 
-Predicted: ``tools.size.plan_memory(recipe="trainer", math_attention=True)`` (PyTorch's math SDPA on CPU
+Predicted: ``trainer.memory_plan.plan_memory(recipe="trainer", math_attention=True)`` (PyTorch's math SDPA on CPU
 keeps the attention probabilities) for the same config: ``act_peak`` (with the recomputation working set)
 and ``act_peak`` less that working set (to compare with ``saved``).
 
@@ -46,7 +46,7 @@ from configs.schema import compose  # noqa: E402
 from models.layers import rope_cos_sin  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.recompute import apply_recompute  # noqa: E402
-from tools.size import plan_memory  # noqa: E402
+from trainer.memory_plan import plan_memory  # noqa: E402
 from trainer.startup import build_model  # noqa: E402
 
 SCALED = ["model.dim=512", "model.inter_dim=1536", "model.moe_inter_dim=256", "model.q_lora_rank=256",

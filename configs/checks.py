@@ -10,9 +10,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from errors import ConfigError
-from parallel.ep.apply import DISPATCHERS as EP_DISPATCHERS
-from parallel.recompute import MODES as RECOMPUTE_MODES
-from parallel.zero import MOMENT_DTYPES as ZERO_MOMENT_DTYPES
 
 if TYPE_CHECKING:
     from models.config import ModelConfig
@@ -21,14 +18,28 @@ if TYPE_CHECKING:
                          Piecewise, TrainConfig)
 
 PRECISIONS = ("fp32", "bf16", "fp8")             # train.precision
-RECOMPUTE = tuple(RECOMPUTE_MODES)               # train.recompute
 DEVICES = ("auto", "cpu", "cuda")                # train.device
-DISPATCHERS = tuple(EP_DISPATCHERS)            # parallel.ep_dispatcher
 ZERO_BACKENDS = ("native", "deepspeed")          # parallel.zero_backend
 DECAYS = ("cosine", "constant", "phases")        # optim.decay
 LR_SHAPES = ("constant", "linear", "cosine")     # optim.phases[i].shape
-MOMENT_DTYPES = ("auto", *ZERO_MOMENT_DTYPES)    # optim.moment_dtype: auto or a dtype parallel/zero keeps
 WANDB_MODES = ("offline", "online", "disabled")  # logging.wandb.mode
+
+
+# Allowed values that live with their code in parallel/ (registries of torch modules): read when a config is
+# validated, not when this module is imported, so that ``import configs.schema`` needs no torch.
+def recompute_modes() -> tuple[str, ...]:            # train.recompute
+    from parallel.recompute import MODES
+    return tuple(MODES)
+
+
+def dispatchers() -> tuple[str, ...]:                # parallel.ep_dispatcher
+    from parallel.ep.apply import DISPATCHERS
+    return tuple(DISPATCHERS)
+
+
+def moment_dtypes() -> tuple[str, ...]:              # optim.moment_dtype: auto or a dtype parallel/zero keeps
+    from parallel.zero import MOMENT_DTYPES
+    return ("auto", *MOMENT_DTYPES)
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -93,7 +104,7 @@ def _check_optim(o: OptimConfig) -> None:
     _non_negative("optim.weight_decay", o.weight_decay)
     _non_negative("optim.grad_clip", o.grad_clip, " (0 disables clipping)")
     _one_of("optim.decay", o.decay, DECAYS)
-    _one_of("optim.moment_dtype", o.moment_dtype, MOMENT_DTYPES)
+    _one_of("optim.moment_dtype", o.moment_dtype, moment_dtypes())
     if o.decay == "phases" and not o.phases:
         raise ConfigError("optim.phases: optim.decay=phases needs at least one phase {tokens, lr, shape}")
     if o.decay != "phases" and o.phases:
@@ -120,7 +131,7 @@ def _check_train(t: TrainConfig) -> None:
     if t.ema_decay is not None:
         _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")
     _one_of("train.precision", t.precision, PRECISIONS)
-    _one_of("train.recompute", t.recompute, RECOMPUTE)
+    _one_of("train.recompute", t.recompute, recompute_modes())
     _one_of("train.device", t.device, DEVICES)
     if t.device == "cuda":
         import torch
@@ -167,7 +178,7 @@ def _check_parallel(p: ParallelConfig) -> None:
         _need(f"parallel.{key}", getattr(p, key), getattr(p, key) >= 1, ">= 1")
     _need("parallel.timeout_s", p.timeout_s, p.timeout_s > 0, "> 0 (seconds)")
     _positive("parallel.zero_bucket_mb", p.zero_bucket_mb)
-    _one_of("parallel.ep_dispatcher", p.ep_dispatcher, DISPATCHERS)
+    _one_of("parallel.ep_dispatcher", p.ep_dispatcher, dispatchers())
     _one_of("parallel.zero_backend", p.zero_backend, ZERO_BACKENDS)
 
 

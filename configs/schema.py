@@ -288,7 +288,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero,
                     zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule)
     dp = world_size // p.pp
-    from trainer.schedules import ramp_sizes
+    from data.ramp import ramp_sizes
     for gbs in ramp_sizes(t):   # the ramp's sizes first: each must fit the layout as the final one does
         final = gbs == t.global_batch_size
         key = "train.global_batch_size" if final else "train.batch_ramp"

@@ -1,7 +1,16 @@
 """Single-device DeepSeek-V3 model (MLA, DeepSeekMoE with node-limited routing, MTP). No distributed code."""
-from .config import ModelError, ModelConfig
-from .moe import MoE
-from .transformer import Block, DeepSeekV3, LossOutput, MTPModule, build
+from .config import ModelConfig, ModelError
+
+_LAZY = {"MoE": "moe", "Block": "transformer", "DeepSeekV3": "transformer", "LossOutput": "transformer",
+         "MTPModule": "transformer", "build": "transformer"}
+
+
+def __getattr__(name: str):
+    """The torch modules load on first use, so that ``models.config`` (read by ``configs.schema``) needs no torch."""
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def from_hf(path_or_model, **kwargs):

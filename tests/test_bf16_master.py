@@ -97,7 +97,7 @@ def test_memory_accounting_bf16_weights():
     assert m0.measured == m0.formula == {"params": 2 * n, "grads": 4 * n, "master": 4 * n, "optim": 8 * n}
     assert m1.formula == {"params": 2 * n, "grads": 4 * n, "master": 4 * n, "optim": 8 * n}
     assert m1.measured["params"] == 2 * n and m1.measured["master"] == 4 * n
-    from tools.size import plan_memory   # the pre-flight's estimate (recipe trainer) uses the same bytes
+    from trainer.memory_plan import plan_memory   # the pre-flight's estimate (recipe trainer) uses the same bytes
     est = plan_memory(make_config("train.precision=bf16"), recipe="trainer").worst
     assert (est.weights, est.grads, est.optim) == (2 * n, 4 * n, 12 * n)
 

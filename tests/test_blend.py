@@ -1,4 +1,4 @@
-"""Weighted blends (trainer/blend.py) and the LR / batch-size schedules (trainer/schedules.py): shares,
+"""Weighted blends (data/blend.py) and the LR / batch-size schedules (trainer/lr_schedule.py, data/ramp.py): shares,
 determinism, resumption under another data-parallel size, and the V3 schedule's values."""
 import math
 
@@ -7,12 +7,13 @@ import pytest
 
 from configs.schema import BatchRamp, LRPhase, OptimConfig, TrainConfig
 from errors import ConfigError
-from trainer.blend import CHUNK, BlendedBatches, blend_val_batches, feistel_permute, source_pattern
-from trainer.schedules import batch_size_at, lr_multiplier, phase_lr, ramp_sizes
+from data.blend import CHUNK, BlendedBatches, blend_val_batches, feistel_permute, source_pattern
+from data.ramp import batch_size_at, ramp_sizes
+from trainer.lr_schedule import lr_multiplier, phase_lr
 
 
 class ArraySource:
-    """A token source held in memory (the reader interface of trainer/tokens.py)."""
+    """A token source held in memory (the reader interface of data/shards.py)."""
 
     def __init__(self, tokens, path="mem"):
         self.tokens, self.path = np.asarray(tokens), path

@@ -3,7 +3,7 @@ metrics, per-source validation, bitwise resume, and a resume under another data-
 import numpy as np
 import pytest
 
-from trainer.tokens import write_shard
+from data.shards import write_shard
 
 from .trainer_utils import assert_losses_match, fast_overrides, read_jsonl, run_inprocess, run_torchrun
 

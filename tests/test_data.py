@@ -1,4 +1,4 @@
-"""trainer/data.py: offline corpus loading, tokenizer/token caching, packed resumable batches."""
+"""data/corpus.py: offline corpus loading, tokenizer/token caching, packed resumable batches."""
 import json
 import logging
 import time
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from errors import ConfigError
-from trainer.data import PackedBatches, load_corpus, val_batches
+from data import PackedBatches, load_corpus, val_batches
 
 
 def _cfg(cache_dir, **kw):
@@ -252,7 +252,7 @@ def test_unsupported_files_in_a_directory_are_listed(tmp_path, caplog):
     for name in ("README.md", "notes.csv", "sub/train.jsonl.gz"):
         (d / name).parent.mkdir(parents=True, exist_ok=True)
         (d / name).write_text("not loaded")
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="data.corpus"):
         c = load_corpus(_cfg(tmp_path / "cache", path=str(d)), 400)
     _check_user(c)
     assert (c.train_tokens == c.eos_id).sum() + (c.val_tokens == c.eos_id).sum() == len(PARAS)  # the .jsonl only
@@ -262,7 +262,7 @@ def test_unsupported_files_in_a_directory_are_listed(tmp_path, caplog):
     assert all(n in warned[0] for n in ("README.md", "notes.csv", "sub/train.jsonl.gz")), warned[0]
     assert "part0.jsonl" not in warned[0]
     caplog.clear()                                           # a clean directory warns about nothing
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="data.corpus"):
         load_corpus(_cfg(tmp_path / "cache", path=str(d / "part0.jsonl")), 400)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

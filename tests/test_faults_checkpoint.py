@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.checkpoint as ckpt_mod
-from trainer.checkpoint import (CheckpointDirError, CheckpointManager, CheckpointWriteError, DamagedCheckpointError,
-                                NoGoodCheckpointError, NonFiniteStateError, main as verify_main)
+import checkpoint.manager as ckpt_mod
+from checkpoint import (CheckpointDirError, CheckpointManager, CheckpointWriteError, DamagedCheckpointError,
+                                NoGoodCheckpointError, NonFiniteStateError)
+from checkpoint.__main__ import main as verify_main
+from errors import ConfigError
 
 from .trainer_utils import assert_losses_match, fast_overrides, make_config, read_jsonl, run_cli, \
     run_inprocess, run_torchrun
@@ -135,7 +137,7 @@ def test_corrupt_metadata_error_names_the_path(tmp_path, base):
         base.trainer(tmp_path / "run", ck, f"checkpoint.resume={ck / sd(4)}")
     msg = str(e.value)
     assert str(ck / sd(4) / ".metadata") + " cannot be read" in msg and "\n" not in msg, msg
-    assert isinstance(e.value, ckpt_mod.ConfigError)
+    assert isinstance(e.value, ConfigError)
 
 
 def test_checkpoint_without_manifest_is_accepted_with_a_warning(tmp_path, base, capsys):
@@ -255,7 +257,7 @@ def test_disk_full_during_save_keeps_earlier_checkpoints(tmp_path, base, monkeyp
     with pytest.raises(CheckpointWriteError) as e:
         t.save()   # what train() calls every checkpoint.every steps
     msg = str(e.value)
-    assert e.value.errno == errno.ENOSPC and isinstance(e.value, ckpt_mod.ConfigError)
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value, ConfigError)
     assert f"saving step 6 to {ck / sd(6)} failed" in msg and f"{bad_file}: errno 28 (ENOSPC" in msg, msg
     assert "\n" not in msg
     assert not list(ck.glob(".tmp-*")) and not (ck / sd(6)).exists()

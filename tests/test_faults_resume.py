@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import CheckpointManager
+from checkpoint import CheckpointManager
 from trainer.metrics import RUN_ID_FILE, MetricsLogger, cut_back, json_line, saved_run_id
 from trainer.wandb_log import read_offline_run
 

@@ -121,7 +121,7 @@ def test_nan_step_is_skipped_and_training_goes_on(tmp_path):
 def test_persistent_nan_stops_the_run_with_one_line(tmp_path):
     """``optim.lr=1e6`` diverges: after train.max_skipped_steps skipped steps in a row the run exits 3 with one
     line, and every checkpoint it wrote holds finite weights."""
-    from trainer.checkpoint import CheckpointManager
+    from checkpoint import CheckpointManager
     proc = subprocess.run([sys.executable, *_cmd(tmp_path / "run", tmp_path / "cache", 40, "optim.lr=1e6",
                                                  "optim.warmup_steps=0", "train.max_skipped_steps=2",
                                                  "checkpoint.every=2", "checkpoint.keep=0")],
@@ -194,7 +194,7 @@ def test_sigterm_saves_and_exits_75_then_resume_matches(tmp_path, reference):
 
 
 def test_sigterm_during_a_save_finishes_it_then_stops(tmp_path, monkeypatch):
-    from trainer.checkpoint import CheckpointManager
+    from checkpoint import CheckpointManager
     from trainer.train import Trainer
     cfg = make_config("logging.wandb.mode=disabled", "logging.progress=false", "train.max_steps=8",
                       "train.eval_every=0", f"data.cache_dir={tmp_path}/cache", "checkpoint.every=2")
@@ -223,7 +223,7 @@ def test_sigterm_to_torchrun_saves_and_stops(tmp_path):
     out, err = tr.communicate(timeout=300)
     assert "SIGTERM received" in err, err[-3000:]
     assert any(line.startswith("stopping at step") for line in out.splitlines()), (out[-2000:], err[-2000:])
-    from trainer.checkpoint import CheckpointManager
+    from checkpoint import CheckpointManager
     assert CheckpointManager(run / "checkpoints").complete(), "a checkpoint was written before the exit"
 
 
@@ -300,7 +300,7 @@ def _peer_misses_worker(rank, world, tmp, phase):
 def test_peer_missing_from_validation_or_save_is_named(tmp_path, phase):
     # Tokenize here first: the ranks' 3 s timeout covers their start-up barrier too, and training the BPE on
     # a loaded machine can take longer than that (seen in CI with other jobs on both cores).
-    from trainer.data import load_corpus
+    from data import load_corpus
     cfg = make_config(f"data.cache_dir={tmp_path}/cache")
     load_corpus(cfg.data, cfg.model.vocab_size)
     spawn(_peer_misses_worker, 2, tmp_path, str(tmp_path), phase, timeout_s=3)

@@ -207,7 +207,7 @@ def test_fp8_model_forward_backward(autocast, pow2):
 def train_curve(fp8: bool, steps: int, corpus, seq_len=32, batch=4, seed=0) -> tuple[list[float], float]:
     """Train the tiny preset under BF16 autocast (the trainer's recipe, minus logging); returns the
     per-step LM losses and the final validation loss (16 held-out sequences)."""
-    from trainer.data import PackedBatches, val_batches
+    from data import PackedBatches, val_batches
     model = models.build(model_preset("tiny"), seed=seed)
     model.train()
     if fp8:
@@ -247,7 +247,7 @@ def test_fp8_emulation_tracks_bf16_over_200_steps(tmp_path):
     """FP8 vs BF16, means over three seeds (one seed's gap is dominated by the run-to-run spread: BF16 alone
     ranges 4.93-5.04 in validation loss over seeds 0-2). Measured (4 x 32 tokens per step): validation
     +0.24 %, training loss of steps 181-200 -0.07 %; see docs/fp8.md."""
-    from trainer.data import load_corpus
+    from data import load_corpus
     cfg = types.SimpleNamespace(path=None, tokenizer=None, text_field="text", val_fraction=0.05,
                                 cache_dir=str(tmp_path))
     corpus = load_corpus(cfg, 1024)

@@ -41,7 +41,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. A sharded import reads onl
 
 
 def tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained offline (as trainer/data.py does), EOS = id 0, wrapped for transformers."""
+    """A byte-level BPE trained offline (as data/corpus.py does), EOS = id 0, wrapped for transformers."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
     from tokenizers import models as tok_models
 

@@ -4,6 +4,10 @@ functions included, so a rule cannot be dodged by importing late):
 - ``models/``, ``kernels/`` and ``errors/`` import nothing else of the project;
 - a pipeline schedule imports only its action vocabulary (``parallel.pipeline.schedules``);
 - ``parallel/`` never imports ``configs/``, ``trainer/``, ``tools/`` or ``bench/``;
+- ``data/`` and ``checkpoint/`` import nothing of the project but ``errors``;
+- ``configs/`` imports only ``errors``, ``models``, ``parallel`` and ``data``; ``trainer/`` never ``tools/`` or ``bench/``;
+- no ``_private`` name is imported across top-level packages;
+- ``import configs.schema`` imports no torch;
 - no module writes ``os.environ`` when it is imported (only inside functions someone calls).
 """
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("models", "kernels", "errors", "parallel", "configs", "trainer", "tools", "bench")
+PACKAGES = ("models", "kernels", "errors", "parallel", "configs", "data", "checkpoint", "trainer", "tools", "bench")
 SCHEDULES = "parallel.pipeline.schedules"
 
 
@@ -77,7 +81,8 @@ def test_every_installed_package_is_packaged():
 
 
 def test_sources_were_found():
-    assert {"models.moe", "kernels.quant", "errors", "parallel.dims", "configs.schema", "trainer.train",
+    assert {"models.moe", "kernels.quant", "errors", "parallel.dims", "configs.schema", "trainer.train", "data.corpus",
+            "checkpoint.manager",
             f"{SCHEDULES}.dualpipe"} <= set(SOURCES)
 
 
@@ -93,6 +98,44 @@ def test_schedules_import_only_their_action_vocabulary():
 def test_parallel_never_imports_configs_trainer_tools_or_bench():
     assert _violations(lambda name, m: not _inside(name, "parallel")
                        or not _inside(m, "configs", "trainer", "tools", "bench")) == []
+
+
+@pytest.mark.parametrize("pkg", ["data", "checkpoint"])
+def test_data_and_checkpoint_import_only_errors(pkg):
+    assert _violations(lambda name, m: not _inside(name, pkg) or _inside(m, pkg, "errors")) == []
+
+
+def test_configs_import_only_what_is_below_them():
+    assert _violations(lambda name, m: not _inside(name, "configs")
+                       or _inside(m, "configs", "errors", "models", "parallel", "data")) == []
+
+
+def test_trainer_never_imports_tools_or_bench():
+    assert _violations(lambda name, m: not _inside(name, "trainer") or not _inside(m, "tools", "bench")) == []
+
+
+def _private_imports(name: str, tree: ast.Module) -> list[str]:
+    """``from X import _y`` (or ``X._y``) where X is in another top-level package than ``name``."""
+    top = name.split(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in PACKAGES and node.module.split(".")[0] != top:
+                out += [f"{name} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return out
+
+
+def test_no_private_name_crosses_a_top_level_package():
+    assert [v for name, (_, tree) in SOURCES.items() for v in _private_imports(name, tree)] == []
+
+
+def test_configs_schema_imports_no_torch():
+    """The schema and its checks load without torch (the registries in parallel/ are read at validation)."""
+    import subprocess
+    import sys
+    code = "import sys, configs.schema; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def _environ_writes_at_import(tree: ast.Module) -> list[int]:
@@ -133,5 +176,7 @@ def test_the_checks_can_fail():
             lambda name, m: not _inside(name, "models") or _inside(m, "models"))
         assert "parallel._probe imports configs" in _violations(
             lambda name, m: not _inside(name, "parallel") or not _inside(m, "configs"))
+        assert _private_imports("tools._probe", ast.parse("from data.corpus import _sha, iter_docs\n"
+                                                          "from tools.x import _y\n")) == ["tools._probe imports data.corpus._sha"]
     finally:
         del SOURCES["models._probe"], SOURCES["parallel._probe"]

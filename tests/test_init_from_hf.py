@@ -8,7 +8,7 @@ import torch
 import models
 from models.hf_export import to_hf
 from tools.convert_hf import main as convert_main
-from trainer.data import PackedBatches
+from data import PackedBatches
 from trainer.train import Trainer
 
 from .trainer_utils import assert_losses_match, fast_overrides, make_config, read_jsonl, run_torchrun

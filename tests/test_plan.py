@@ -13,7 +13,7 @@ from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.simulator import Costs, simulate
 from tools.plan import V3_PUBLISHED, predict, published_schedule_bubble, v3_check
 from tools.plan_costs import Hardware, StageCost, StageCosts, ep_traffic, expected_distinct, stage_work
-from tools.size import model_parts, split_layers
+from trainer.memory_plan import model_parts, split_layers
 
 
 @pytest.mark.parametrize("name,n_stages", [("tiny", 2), ("tiny", 4), ("v3_16b", 4)])
@@ -90,7 +90,7 @@ def test_replicated_params_per_pipeline_rank():
     """What the trainer's ``ReplicaSync`` sums every step: DualPipe holds every stage twice, 1F1B with MTP a
     tied embedding on the last stage; routed experts counted per EP shard."""
     from tools.plan import replicated_params
-    from tools.size import model_parts
+    from trainer.memory_plan import model_parts
     for sched, ep in (("dualpipe", 1), ("dualpipe", 2), ("1f1b", 1)):
         cfg = compose(["+exp=tiny", "parallel.pp=2", f"parallel.schedule={sched}", f"parallel.ep={ep}"])
         model = models.build(cfg.model, "meta")
@@ -107,7 +107,7 @@ def test_replicated_params_per_pipeline_rank():
 
 def test_measured_step_end_adds_the_optimizer_the_twin_sum_and_the_small_collectives():
     from tools.plan_costs import STEP_COLLECTIVES, step_end
-    from tools.size import plan_memory
+    from trainer.memory_plan import plan_memory
     cfg = compose(["+exp=tiny", "parallel.pp=2", "parallel.schedule=dualpipe"])
     per_tok = {"f": 1e-5, "b": 1e-5, "w": 1e-5}
     hw = Hardware(name="cpu", measured={k: per_tok for k in ("embed", "dense_layer", "moe_layer", "head")}, cores=2,
@@ -128,9 +128,9 @@ def test_gpu_step_end_sums_the_twin_gradients_in_bf16_over_the_inter_node_link()
     a GPU profile as in the trainer; DeepSeek's layout (rank 0: the embedding, the head and MTP twice) pays it."""
     from tools.plan import V3_LAYOUT, V3_WORLD, replicated_params
     from tools.plan_costs import load_hardware, step_end
-    from tools.size import plan_memory
-    from tools.activations import V3_RECIPE
-    from tools.size import check_layout
+    from trainer.memory_plan import plan_memory
+    from trainer.activations import V3_RECIPE
+    from trainer.memory_plan import check_layout
     cfg, hw = compose(V3_LAYOUT), load_hardware("h800")
     model = models.build(cfg.model, "meta")
     dims = check_layout(cfg, V3_WORLD)
@@ -217,11 +217,11 @@ def test_oversubscribed_link_numbers_apply_only_beyond_the_cores(tmp_path):
 
 
 def test_v3_recipe_memory_fits_deepseeks_layout_and_not_the_earlier_winners():
-    """Acceptance 3's memory side: the itemized estimate of V3's recipe (``tools.activations.v3_recipe_bytes``)
+    """Acceptance 3's memory side: the itemized estimate of V3's recipe (``trainer.activations.v3_recipe_bytes``)
     keeps 164 KB per token in a MoE layer; DeepSeek's layout fits 90 % of 80 GB with it, while pp4 DualPipe ZeRO-2
     and pp8 DualPipe ZeRO-2 (first under the old floor-of-recompute bound) do not: ZeRO-2 under a pipeline keeps
     full gradients."""
-    from tools.activations import v3_recipe_bytes
+    from trainer.activations import v3_recipe_bytes
     from tools.plan import V3_LAYOUT, V3_WORLD
     b = v3_recipe_bytes(compose(["model=v3_671b"]).model)
     assert b["moe_layer"] == pytest.approx(164.3e3, rel=1e-3) and b["dense_layer"] == pytest.approx(103.9e3, rel=1e-3)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tools.prepare_data import KILL_AFTER_ENV, main
-from trainer.tokens import open_tokens, verify
+from data.shards import open_tokens, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu naïve café — ✓ 日本".split()

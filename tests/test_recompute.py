@@ -26,7 +26,7 @@ from parallel.pipeline.runner import wgrad_queue
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.stages import build_stages, prune_model
 from parallel.recompute import MODES, apply_recompute, regions
-from tools.activations import activation_bytes_per_token
+from trainer.activations import activation_bytes_per_token
 
 from .dist_utils import grads_with_reference, rel_err, spawn
 from .test_pipeline_parity import CFG, cos_dist

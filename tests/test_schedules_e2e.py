@@ -3,8 +3,8 @@ mid-ramp equal to the run straight through (one process, and DualPipe pp=2 under
 import pytest
 
 from configs.schema import LRPhase, OptimConfig
-from trainer.checkpoint import CheckpointManager
-from trainer.schedules import lr_multiplier
+from checkpoint import CheckpointManager
+from trainer.lr_schedule import lr_multiplier
 
 from .trainer_utils import assert_losses_match, fast_overrides, read_jsonl, run_inprocess, run_torchrun
 

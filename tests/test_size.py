@@ -9,7 +9,9 @@ from configs import model_preset
 from configs.schema import register, to_object
 from errors import ConfigError
 from models.params import flops_per_token
-from tools.size import activation_bytes_per_token, main, plan_memory
+from tools.size import main
+from trainer.activations import activation_bytes_per_token
+from trainer.memory_plan import plan_memory
 
 from .test_recompute import saved_bytes
 

@@ -1,4 +1,4 @@
-"""tools.size with train.precision=fp8: the FP8 activation terms of ``tools/activations.py`` against the bytes
+"""tools.size with train.precision=fp8: the FP8 activation terms of ``trainer/activations.py`` against the bytes
 autograd saves on the tiny FP8 model, and their plumbing through ``plan_memory`` and the CLI."""
 import pytest
 import torch
@@ -11,8 +11,9 @@ from parallel.fp8 import apply_fp8
 from parallel.recompute import MODES, apply_recompute
 from parallel.zero import WEIGHT_DTYPES, weights_for
 from parallel.zero.master import cast_
-from tools.activations import activation_bytes_per_token, stage_activations
-from tools.size import main, plan_memory
+from trainer.activations import activation_bytes_per_token, stage_activations
+from tools.size import main
+from trainer.memory_plan import plan_memory
 
 B, T = 2, 64
 
@@ -66,7 +67,7 @@ def estimate(cfg, mode: str, fp8: bool) -> float:
 
 def tile_padding(cfg, tokens: int) -> float:
     """Bytes one MoE layer's FP8 expert copies keep beyond the per-token terms in one micro-batch: their 128-row
-    tiles restart at each local expert (``tools/activations.py``, not modelled per token)."""
+    tiles restart at each local expert (``trainer/activations.py``, not modelled per token)."""
     R = tokens * cfg.n_activated_experts
     rows = 128 * (-(-R // 128) + cfg.n_routed_experts - 1)
     return (cfg.dim + cfg.moe_inter_dim) * (1 + 4 / 128) * (rows - R)   # w1/w3's shared copy of x, w2's of h

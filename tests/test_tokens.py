@@ -1,7 +1,7 @@
-"""trainer/tokens.py: Megatron indexed-dataset shards, written by us or by a reference writer, read back.
+"""data/shards.py: Megatron indexed-dataset shards, written by us or by a reference writer, read back.
 
 The reference writer and parser below follow Megatron-LM's documented ``.idx`` layout with struct/numpy and
-share no code with trainer/tokens.py, so the two check each other."""
+share no code with data/shards.py, so the two check each other."""
 import hashlib
 import json
 import os
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from errors import ConfigError
-from trainer.tokens import MANIFEST, open_tokens, verify, write_shard
+from data.shards import MANIFEST, open_tokens, verify, write_shard
 
 CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.uint16: 8}
 
@@ -127,7 +127,7 @@ def test_read_across_shards_of_a_megatron_directory(tmp_path):
 
 
 def test_lru_of_open_shards_and_pickling(tmp_path, monkeypatch):
-    import trainer.tokens as tokens
+    import data.shards as tokens
     monkeypatch.setattr(tokens, "_OPEN_SHARDS", 2)
     parts = [random_docs(3, 100, seed=s) for s in range(5)]
     for k, docs in enumerate(parts):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import CheckpointManager
+from checkpoint import CheckpointManager
 
 from .trainer_utils import ROOT, fast_overrides, read_jsonl, run_cli, run_inprocess
 

@@ -7,7 +7,7 @@ import pytest
 
 from errors import ConfigError
 from parallel.dims import ParallelDims
-from tools.size import plan_memory
+from trainer.memory_plan import plan_memory
 from trainer.preflight import LIMIT_ENV, preflight
 
 from .test_trainer import SMALL, cache  # noqa: F401 - the same small run and data-cache fixture

@@ -70,7 +70,7 @@ def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
         warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
         dcp.load({"model": model.state_dict()}, checkpoint_id=str(src))   # fills the tensors in place
         if ema:
-            from trainer.checkpoint import has_state
+            from checkpoint import has_state
             if not has_state(src, "ema"):
                 raise ConfigError(f"--ema: {src} holds no EMA (it was trained without train.ema_decay)")
             params = {n: p.detach() for n, p in model.named_parameters()}
@@ -82,12 +82,12 @@ def load_model_checkpoint(ckpt_dir, device="cpu", ema: bool = False):
 
 def load_tokenizer(path):
     """A HF tokenizer directory or tokenizer.json, loaded as the trainer loads ``data.tokenizer``, with
-    ``eos_token`` set to the end-of-text token the trainer finds in it (trainer/tokenizer.py)."""
-    from trainer.tokenizer import _eos_id, _user_tokenizer
+    ``eos_token`` set to the end-of-text token the trainer finds in it (data/tokenizer.py)."""
+    from data.tokenizer import find_eos_id, load_tokenizer
 
     try:
-        tok, _ = _user_tokenizer(str(path))
-        _eos_id(tok, str(path))
+        tok, _ = load_tokenizer(str(path))
+        find_eos_id(tok, str(path))
     except ConfigError as e:   # its messages name the trainer's key; here the flag is --tokenizer
         raise ConfigError(str(e).replace("data.tokenizer", "--tokenizer", 1)) from None
     return tok

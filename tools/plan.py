@@ -12,7 +12,7 @@ Arguments are Hydra overrides (as for ``tools.size``) plus the options below. Pi
 schedule (``parallel.pipeline.schedules``) run through ``parallel.pipeline.simulator.simulate`` with
 per-stage action costs from ``tools.plan_costs.action_costs`` (the cost model is in that module's doc);
 the step is the simulated makespan plus the step end (ZeRO reduce-scatter / all-gather and the optimizer,
-``tools.plan_costs.step_end``). Memory is ``tools.size.plan_memory``. A profile with ``cores`` (CPU)
+``tools.plan_costs.step_end``). Memory is ``trainer.memory_plan.plan_memory``. A profile with ``cores`` (CPU)
 adds processor sharing: with more ranks than cores, each compute action is slowed by the ranks computing
 during it over the cores (``tools.plan_costs.sharing``), iterated to a fixed point. A profile with ``action_cv`` varies each
 action's time at random (seeded) and takes the median of several simulations: ranks wait for late peers.
@@ -28,15 +28,16 @@ from dataclasses import dataclass, field
 
 import models
 from configs.schema import compose
-from models.params import flops_per_token
 from models.moe import GroupedExperts
+from models.params import flops_per_token
 from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
 from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, for_world, load_hardware,
                               simulate_layout, step_end)
 from tools.schedule import draw
-from tools.size import GB, V3_RECIPE, check_layout, model_parts, plan_memory
+from trainer.activations import V3_RECIPE
+from trainer.memory_plan import GB, check_layout, model_parts, plan_memory
 
 
 # ---- the prediction --------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ class Prediction:
     mfu: float               # against the BF16 peak, like DeepSeek's and trainer.metrics' MFU
     tokens_per_s_gpu: float
     tflops_per_gpu: float
-    memory_gb: float         # worst rank, tools.size.plan_memory
+    memory_gb: float         # worst rank, trainer.memory_plan.plan_memory
     fits: bool
     phases: dict             # rank 0: seconds in F-only, B-only, W-only, F&B actions, bubble, step end
     traffic: EPTraffic
@@ -102,7 +103,7 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
         sim, notes, bubble = None, [], 0.0
         pipeline, exposed, phases = _single_stage(stage_costs[0], hw, world_size, n_micro)
     # v3: an itemized estimate of what DeepSeek-V3's recipe (partial recompute, FP8-cached activations) keeps
-    # (tools.activations.v3_recipe_bytes); none and full are this trainer's train.recompute modes
+    # (trainer.activations.v3_recipe_bytes); none and full are this trainer's train.recompute modes
     mem = plan_memory(cfg, world_size, "v3" if not hw.measured else "trainer",
                       V3_RECIPE if recompute == "v3" else recompute, model=model)
     end = step_end(cfg, hw, mem, dims, replicated_params(cfg, n_micro, model))

@@ -48,7 +48,8 @@ import yaml
 
 from parallel.pipeline.schedules import Kind, get_schedule
 from parallel.pipeline.simulator import Simulation, simulate
-from tools.size import GB, activation_bytes_per_token, n_stages, split_layers
+from trainer.activations import activation_bytes_per_token
+from trainer.memory_plan import GB, n_stages, split_layers
 
 HARDWARE_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
 
@@ -124,7 +125,7 @@ class StageWork:
     attention: float       # attention core, forward
     recompute: float       # GEMMs run again in B under --recompute v3
     moe_layers: int        # MoE blocks (MTP's included): expert all-to-alls per direction
-    act_bytes: float       # saved-for-backward bytes (tools.size.activation_bytes_per_token, bf16)
+    act_bytes: float       # saved-for-backward bytes (trainer.activations.activation_bytes_per_token, bf16)
     components: dict       # component -> count, for measured profiles (embed, dense_layer, moe_layer, head)
 
     @property
@@ -133,7 +134,7 @@ class StageWork:
 
 
 def stage_work(m, parts, layers, first: bool, last: bool, seq_len: int) -> StageWork:
-    """``parts``: ``tools.size.model_parts`` of the model. Formulas in the module doc."""
+    """``parts``: ``trainer.memory_plan.model_parts`` of the model. Formulas in the module doc."""
     frac = m.n_activated_experts / m.n_routed_experts
     act = activation_bytes_per_token(m, 2)
     attn_layer = m.n_heads * (m.qk_head_dim + m.v_head_dim) * seq_len

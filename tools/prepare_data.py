@@ -3,7 +3,7 @@
     python -m tools.prepare_data --input 'data/web/*.jsonl.gz' data/books --output /data/tok/web \\
         --tokenizer /models/tok --workers 8
 
-Inputs are read the way the trainer reads ``data.path`` (``trainer/data.py``): .txt (documents split at blank
+Inputs are read the way the trainer reads ``data.path`` (``data/corpus.py``): .txt (documents split at blank
 lines), .jsonl/.json and .parquet (``--text-field``), directories of them, globs, ``save_to_disk`` datasets;
 gzip-compressed files (``x.jsonl.gz``, ``x.json.gz``, ``x.txt.gz``) are read here when named by a file path or
 a glob. The input rows, in that fixed order, are cut into shards of ``--docs-per-shard`` rows: shard k holds
@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from errors import ConfigError
-from trainer.data import (_BUILDERS, _atomic_write, _files_fingerprint, _iter_docs, _load_sources, _resolve_source,
+from data.corpus import (FILE_BUILDERS, atomic_write, files_fingerprint, iter_docs, load_sources, resolve_source,
                           use_offline_hub)
-from trainer.tokenizer import _encode, _eos_id, _user_tokenizer
-from trainer.tokens import FORMAT, FORMAT_VERSION, MANIFEST, open_tokens, token_dtype, write_shard
+from data.tokenizer import encode, find_eos_id, load_tokenizer
+from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, open_tokens, token_dtype, write_shard
 
 _COMPRESSED = {f"{ext}.gz": ext for ext in (".jsonl", ".json", ".txt")}
 # Files a HF tokenizer directory may hold besides model weights and configs; these travel with the data.
@@ -60,8 +60,8 @@ def _compressed_ext(f) -> str | None:
 
 # --------------------------------------------------------------------------------------------------- inputs
 def _resolve_input(arg: str):
-    """-> (kind, files, fingerprint) for one --input: trainer.data's resolution, or ('gz', files, ...) for a file
-    or glob of gzip-compressed files (trainer.data does not read those)."""
+    """-> (kind, files, fingerprint) for one --input: data.corpus's resolution, or ('gz', files, ...) for a file
+    or glob of gzip-compressed files (data.corpus does not read those)."""
     p = Path(os.path.expanduser(arg))
     if any(c in arg for c in "*?["):
         matched = sorted(f for f in glob.glob(os.path.expanduser(arg), recursive=True) if os.path.isfile(f))
@@ -71,21 +71,21 @@ def _resolve_input(arg: str):
         matched = [str(p)] if p.is_file() else []
     gz = [f for f in matched if _compressed_ext(f)]
     if not gz:
-        return _resolve_source(arg)
+        return resolve_source(arg)
     if p.is_dir() or len(gz) < len(matched):
         example = os.path.join(arg.rstrip("*/"), "**/*.jsonl.gz")
         raise ConfigError(f"--input: {arg} mixes gzip-compressed files ({gz[0]}, ...) with others; name the "
                           f"compressed ones with their own glob (e.g. --input '{example}')")
-    return "gz", gz, _files_fingerprint(gz)
+    return "gz", gz, files_fingerprint(gz)
 
 
 def _load_compressed(files, text_field, cache_dir: Path):
-    """One single-column ``datasets.Dataset`` per inner extension (sorted), like ``trainer.data._load_sources``."""
+    """One single-column ``datasets.Dataset`` per inner extension (sorted), like ``data.corpus.load_sources``."""
     import datasets
     out = []
     for inner in sorted({_compressed_ext(f) for f in files}):
         group = [f for f in files if _compressed_ext(f) == inner]
-        builder = _BUILDERS[inner]
+        builder = FILE_BUILDERS[inner]
         col = "text" if builder == "text" else text_field
         ds = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=str(cache_dir / "hf_datasets"),
                                    **({"sample_by": "paragraph"} if builder == "text" else {}))
@@ -100,7 +100,7 @@ def _load_inputs(resolved, text_field, cache_dir: Path) -> list:
     sources = []
     for kind, files, _ in resolved:
         sources += (_load_compressed(files, text_field, cache_dir) if kind == "gz"
-                    else _load_sources(kind, files, text_field, cache_dir))
+                    else load_sources(kind, files, text_field, cache_dir))
     return sources
 
 
@@ -159,14 +159,14 @@ def _prepare_shard(k: int) -> tuple[int, dict]:
     def documents():
         nonlocal text_bytes
         rows = _rows(job.sources, k * job.docs_per_shard, min((k + 1) * job.docs_per_shard, job.rows))
-        for batch in _iter_docs(rows):
+        for batch in iter_docs(rows):
             text_bytes += sum(len(t.encode()) for t in batch)
-            for ids in _encode(job.tokenizer, batch):
+            for ids in encode(job.tokenizer, batch):
                 yield np.array([*ids, job.eos_id], dtype=job.dtype)
 
     record = {"shard": _shard_name(k), **write_shard(job.out / _shard_name(k), documents(), job.dtype),
               "text_bytes": text_bytes, **job.this}
-    _atomic_write(_done_path(job.out, k), lambda f: f.write(json.dumps(record, indent=1).encode()))
+    atomic_write(_done_path(job.out, k), lambda f: f.write(json.dumps(record, indent=1).encode()))
     return k, record
 
 
@@ -254,7 +254,7 @@ def _write_tokenizer(out: Path, tok_files: dict[str, bytes]) -> None:
         if f.name not in tok_files:
             f.unlink()
     for name, data in tok_files.items():
-        _atomic_write(out / "tokenizer" / name, lambda f, d=data: f.write(d))
+        atomic_write(out / "tokenizer" / name, lambda f, d=data: f.write(d))
 
 
 def _remove_unrecorded(out: Path, todo: list[int], n_shards: int) -> None:
@@ -306,8 +306,8 @@ def prepare(inputs: list[str], output: str, tokenizer: str, text_field: str = "t
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
-        tok, _ = _user_tokenizer(tokenizer)
-        eos_id = _eos_id(tok, tokenizer)
+        tok, _ = load_tokenizer(tokenizer)
+        eos_id = find_eos_id(tok, tokenizer)
         tok_files = _tokenizer_files(tokenizer, tok)
         resolved = [_resolve_input(a) for a in inputs]
         this = {"identity": {"tokenizer_sha256": hashlib.sha256(tok_files["tokenizer.json"]).hexdigest(),
@@ -341,7 +341,7 @@ def prepare(inputs: list[str], output: str, tokenizer: str, text_field: str = "t
             _JOB = None
         ordered = [records[k] for k in range(n_shards)]
         manifest = _manifest(this, len(tok), ordered)
-        _atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         if not cache_dir:
             shutil.rmtree(cache, ignore_errors=True)
         return _summary(out, ordered, [records[k] for k in todo], t0)

@@ -1,5 +1,5 @@
 """The trainer's pre-flight memory check (``train.memory_check``): before anything big is built, the
-worst rank's estimate from ``tools.size.plan_memory`` (recipe trainer) against the memory a rank may use."""
+worst rank's estimate from ``trainer.memory_plan.plan_memory`` (recipe trainer) against the memory a rank may use."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,8 @@ import torch
 from configs.schema import Config
 from errors import ConfigError
 from parallel.dims import ParallelDims
-from tools.size import GB, plan_memory
+
+from .memory_plan import GB, plan_memory
 
 LIMIT_ENV = "DSV3_MEMORY_LIMIT_GB"   # overrides the free memory a rank may use (tests; shared hosts)
 HEADROOM = 0.1
@@ -38,7 +39,7 @@ def preflight(cfg: Config, dims: ParallelDims, device) -> str:
     need = plan_memory(cfg, recipe="trainer", dims=dims).worst
     limit, where = memory_limit(device)
     what = (f"~{need.total / GB:.2f} GB per rank (weights {need.weights / GB:.2f}, grads {need.grads / GB:.2f}, "
-            f"optimizer {need.optim / GB:.2f}, activations {need.act_peak / GB:.2f}; tools.size --recipe trainer)")
+            f"optimizer {need.optim / GB:.2f}, activations {need.act_peak / GB:.2f}; python -m tools.size --recipe trainer)")
     if need.total <= limit:
         return f"memory: {what}; {limit / GB:.1f} GB available ({where})"
     raise ConfigError(f"memory: this run needs {what} but {limit / GB:.1f} GB are available ({where}); "

@@ -11,10 +11,10 @@ import yaml
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from checkpoint import has_state
 from errors import ConfigError
 from parallel.state_dict import like, to_global, to_local
 
-from .checkpoint import has_state
 from .metrics import RUN_ID_FILE
 from .startup import tokenizer_json
 

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 import models
 from configs.schema import Config
+from data import BlendedBatches, PackedBatches, batch_size_at, blend_val_batches, load_corpus, val_batches
 from errors import ConfigError
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep
@@ -15,10 +16,7 @@ from parallel.pipeline.runner import PipelineRunner
 from parallel.recompute import apply_recompute
 from parallel.zero.master import WEIGHT_DTYPES, weights_for
 
-from .blend import BlendedBatches, blend_val_batches
-from .data import PackedBatches, load_corpus, val_batches
 from .metrics import MetricsLogger, saved_run_id
-from .schedules import batch_size_at
 
 
 def barrier(dims: ParallelDims) -> None:
@@ -91,8 +89,8 @@ def open_data(cfg: Config, dims: ParallelDims, corpus):
 
 
 def open_blend(cfg: Config, dims: ParallelDims):
-    """data.blend / data.val_blend: memory-mapped token datasets (trainer/tokens.py, trainer/blend.py)."""
-    from .tokens import open_tokens
+    """data.blend / data.val_blend: memory-mapped token datasets (data/shards.py, data/blend.py)."""
+    from data import open_tokens
     d, t = cfg.data, cfg.train
     opened = {}
     for key in ("blend", "val_blend"):

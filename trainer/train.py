@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import CheckpointManager
 from configs.schema import Config
+from data import BlendedBatches, batch_size_at, use_offline_hub
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
@@ -15,13 +17,10 @@ from parallel.fp8 import reuse_fp8_weights
 from parallel.zero import NonFiniteGradients, build_optimizer, weights_for
 
 from . import run_state
-from .blend import BlendedBatches
-from .checkpoint import CheckpointManager
-from .data import use_offline_hub
 from .ema import ParamEMA
 from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failure
+from .lr_schedule import lr_multiplier
 from .metrics import rank_memory
-from .schedules import batch_size_at, lr_multiplier
 from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
 from .timers import StepTimers
 
@@ -50,7 +49,7 @@ class Trainer:
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
-        # Before anything big is built: the estimate vs free memory (tools.size).
+        # Before anything big is built: the estimate vs free memory (trainer/memory_plan.py).
         self.memory_note = preflight_all_ranks(cfg, self.dims, self.device) if t.memory_check else ""
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
         self.corpus = None if cfg.data.blend else load_corpus_rank0_first(cfg, self.dims)
@@ -112,7 +111,7 @@ class Trainer:
             self.logger.close()
             return {"val_loss_start": None, "val_loss_end": None, "last": {}}
         summary = {"val_loss_start": None, "val_loss_end": None}
-        if not self.val:   # data.val_fraction=0 (trainer/data.py), or data.blend without data.val_blend
+        if not self.val:   # data.val_fraction=0 (data/corpus.py), or data.blend without data.val_blend
             self.logger.write("validation off: " + ("data.val_blend is empty" if self.cfg.data.blend else
                               "data.val_fraction=0 holds out no documents") + ", so no val_loss is computed")
         if self.step == 0 and self.val:

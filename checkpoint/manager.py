@@ -27,8 +27,8 @@ accepted with a warning (sizes checked against ``.metadata``; contents not verif
 
 Tensors are stored under the single-device model's names, so other layouts can load them.
 
-``python -m trainer.checkpoint <step dir or checkpoint.dir> ...`` verifies checkpoints from the shell. Names, manifest,
-verification, the non-finite check and the errors live in ``trainer/ckpt_integrity.py``.
+``python -m checkpoint <step dir or checkpoint.dir> ...`` verifies checkpoints from the shell (``__main__.py``).
+Names, manifest, verification, the non-finite check and the errors live in ``checkpoint/integrity.py``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -48,14 +47,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from errors import ConfigError  # noqa: F401 - the base of every checkpoint error, re-exported
-
-from .ckpt_io import _dist, _from_checkpoint_exception, _fsync_dir, _guard, _Reader, _write_synced, _Writer
-from .ckpt_integrity import (  # noqa: F401 - re-exported: trainer.checkpoint is the public module
-    CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError, HASH, MANIFEST,
-    MANIFEST_FORMAT, NoGoodCheckpointError, NonFiniteStateError, STEP_DIR, Verdict, _digests,
-    _explicit_message, _oneline, _os_error, _step_of, _structure_problems, _warn, check_complete, file_digest,
-    first_nonfinite, has_state, merge, step_dir_name, verify_local, _single_process_quiet)
+from .files import _dist, _from_checkpoint_exception, _fsync_dir, _guard, _Reader, _write_synced, _Writer
+from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError, HASH,
+                        MANIFEST, MANIFEST_FORMAT, NoGoodCheckpointError, NonFiniteStateError, STEP_DIR, Verdict,
+                        _digests, _explicit_message, _oneline, _os_error, _single_process_quiet, _step_of,
+                        _structure_problems, _warn, file_digest, first_nonfinite, merge, step_dir_name, verify_local)
 
 
 # ---- the manager -------------------------------------------------------------------------------------
@@ -364,27 +360,3 @@ class CheckpointManager:
         older = [p for p in reversed(self.complete()) if _step_of(p) < _step_of(saved)]
         for p in older[self.keep - 1:]:
             shutil.rmtree(p, ignore_errors=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.checkpoint PATH...``: verify step dirs (or every step dir of a checkpoint.dir)."""
-    paths = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
-    if not paths:
-        print("usage: python -m trainer.checkpoint <step dir | checkpoint.dir> ...", file=sys.stderr)
-        return 2
-    bad = 0
-    for p in paths:
-        targets = [p] if STEP_DIR.match(p.name) or (p / ".metadata").exists() else \
-            CheckpointManager(p, is_writer=False).step_dirs()
-        for t in targets:
-            v = verify_local(t)
-            if v.ok:
-                print(f"ok       {t}{' (no manifest: sizes only)' if v.legacy else ''}")
-            else:
-                bad += 1
-                print(f"DAMAGED  {t}: {v.first()}")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """What a checkpoint on disk is, and how to tell a good one: step-dir names, the manifest (size + sha256 of
 every file), verification (``verify_local`` per rank, ``merge`` of the ranks' verdicts), the non-finite check
-run before a save, and the errors, each naming the checkpoint and the file. ``trainer/checkpoint.py`` saves,
+run before a save, and the errors, each naming the checkpoint and the file. ``checkpoint/manager.py`` saves,
 loads, resolves and prunes with them.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ from typing import Iterable
 import numpy as np
 
 from errors import ConfigError
-from trainer.data import _atomic_write
+from .corpus import atomic_write
 
 MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<QBQQ")                  # version, dtype code, sequence_count, document_count
@@ -98,12 +98,12 @@ def write_shard(prefix, documents: Iterable[np.ndarray], dtype) -> dict:
         return []
 
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
-    _atomic_write(bin_path, write_bin)
+    atomic_write(bin_path, write_bin)
     lengths = np.asarray(lengths, dtype=np.int64)
     pointers = (np.cumsum(lengths) - lengths) * dtype.itemsize
     index = b"".join([MAGIC, _HEADER.pack(1, code, lengths.size, lengths.size + 1), lengths.astype("<i4").tobytes(),
                       pointers.astype("<i8").tobytes(), np.arange(lengths.size + 1, dtype="<i8").tobytes()])
-    _atomic_write(idx_path, lambda f: f.write(index))
+    atomic_write(idx_path, lambda f: f.write(index))
     n_tokens = int(lengths.sum())
     return {"tokens": n_tokens, "docs": int(lengths.size), "bin_bytes": n_tokens * dtype.itemsize,
             "idx_bytes": len(index), "bin_sha256": bin_hash.hexdigest(),

@@ -1,4 +1,4 @@
-"""Activation memory model of ``tools.size``: bytes saved for backward per token, by ``train.recompute`` mode
+"""Activation memory model of ``trainer/memory_plan.py``: bytes saved for backward per token, by ``train.recompute`` mode
 (``parallel/recompute.py`` says what each mode recomputes); a = 2 bytes for bf16 activations, 4 for fp32; f = 4:
   none      norm(n)   = n*f + 2*n*a   fp32 copy for the variance, normalised, scaled (the next matmul's input)
             attention = norm(D) + norm(q_lora) + norm(kv_lora) + R*a + core

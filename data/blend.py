@@ -1,9 +1,9 @@
 """Weighted blends of memory-mapped token datasets, served as packed windows: deterministic, resumable, and
 independent of the data-parallel size.
 
-A *source* is anything with ``num_tokens`` and ``read(start, stop)`` (``trainer.tokens.TokenSource``: our
+A *source* is anything with ``num_tokens`` and ``read(start, stop)`` (``data.shards.TokenSource``: our
 shards or a Megatron-LM ``.bin/.idx`` dataset). Source j has ``n_j = (num_tokens - 1) // seq_len`` windows;
-window w is ``read(w*L, w*L + L + 1)`` (inputs and shifted labels), as in ``trainer.data.PackedBatches``.
+window w is ``read(w*L, w*L + L + 1)`` (inputs and shifted labels), as in ``data.PackedBatches``.
 
 The sample sequence is a pure function of the global sample index i (so a resume, under any dp size,
 continues it exactly):
@@ -30,7 +30,7 @@ import torch
 
 from errors import ConfigError
 
-from .data import val_batches
+from .batches import val_batches
 
 CHUNK = 1 << 14          # slots of the repeating source pattern: shares exact to 1/CHUNK
 _ROUNDS = 4
@@ -186,7 +186,7 @@ class BlendedBatches:
 
 
 class _Stream:
-    """A token source seen as the 1-D array that ``trainer.data``'s window helpers index (``len``, slices)."""
+    """A token source seen as the 1-D array that ``data.batches``' window helpers index (``len``, slices)."""
 
     def __init__(self, src):
         self.src = src
@@ -200,7 +200,7 @@ class _Stream:
 
 def blend_val_batches(sources, names: list[str], seq_len: int, batch_size: int, max_batches: int
                       ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per validation source: ``trainer.data.val_batches`` of its stream (the first ``max_batches`` batches of
+    """Per validation source: ``data.val_batches`` of its stream (the first ``max_batches`` batches of
     consecutive windows)."""
     out = {}
     for name, src in zip(names, sources):

@@ -1,4 +1,4 @@
-"""The file-level parts of checkpoint saving and loading (trainer/checkpoint.py holds the manager): DCP's
+"""The file-level parts of checkpoint saving and loading (checkpoint/manager.py holds the manager): DCP's
 writer and reader extended to name their files, fsync of files and directories, and the errors a
 collective write gathers, reduced to one line naming the rank, the path and the errno."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .ckpt_integrity import DamagedCheckpointError, _oneline, _os_error
+from .integrity import DamagedCheckpointError, _oneline, _os_error
 
 class _Writer(dcp.FileSystemWriter):
     """Remembers the files this rank wrote (to hash them while they are in the page cache)."""

@@ -1,15 +1,14 @@
-"""Training data: load a corpus, tokenize it once (cached), and serve packed, resumable batches.
+"""A training corpus: load it and tokenize it once (cached).
 
 ``load_corpus`` turns ``data_cfg`` (path / tokenizer / text_field / val_fraction / cache_dir) into two flat
 int32 token streams (documents joined by EOS). Everything runs offline: with ``data.path`` unset the corpus is
 the English help text that ships with CPython (``pydoc_data.topics``), and with ``data.tokenizer`` unset a
-byte-level BPE is trained on the training documents (``trainer.tokenizer``). Tokenizer and token arrays are
+byte-level BPE is trained on the training documents (``data.tokenizer``). Tokenizer and token arrays are
 cached in ``data.cache_dir`` under a key that hashes the inputs (file stats / content, tokenizer bytes, vocab
 size, split settings), so a second call only reads two ``.npy`` files. ``datasets`` and the Hugging Face Hub
 stay offline unless ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` say otherwise (``use_offline_hub``).
 
-``PackedBatches`` cuts a stream into non-overlapping windows of ``seq_len + 1`` tokens and walks a per-epoch
-permutation of them; its only state is ``consumed_samples``.
+The batches served from those streams: ``data/batches.py``.
 """
 from __future__ import annotations
 
@@ -28,8 +27,9 @@ import torch
 
 from errors import ConfigError
 
-from .tokenizer import _encode, _eos_id, _train_bpe, _user_tokenizer, _wrap_tokenizer
-_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+from .tokenizer import encode, find_eos_id, load_tokenizer, train_bpe, wrap_tokenizer
+
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _CACHE_VERSION = "data-v1"
 _BATCH_DOCS = 1024
 _LISTED = 10          # unsupported files named in the warning / error; the rest are counted
@@ -60,7 +60,7 @@ def _sha(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """``write(fileobj)`` into a temp file next to ``path``, then rename over it (readers never see halves)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -86,11 +86,11 @@ def _listing(paths: list[str], root: Path | None = None) -> str:
     return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
-def _files_fingerprint(files) -> list:
+def files_fingerprint(files) -> list:
     return [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
 
 
-def _resolve_source(path):
+def resolve_source(path):
     """-> (kind, files, fingerprint). kind: 'default' | 'saved' (save_to_disk dir) | 'files'."""
     if path is None:
         from pydoc_data.topics import topics
@@ -105,11 +105,11 @@ def _resolve_source(path):
         raise ConfigError(f"data.path: {path} does not exist {hint}")
     elif p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
         files = sorted(str(f) for f in p.rglob("*") if f.is_file())
-        return "saved", [str(p)], _files_fingerprint(files)
+        return "saved", [str(p)], files_fingerprint(files)
     elif p.is_dir():
         found = sorted(str(f) for f in p.rglob("*") if f.is_file())
-        files = [f for f in found if Path(f).suffix.lower() in _BUILDERS]
-        skipped = [f for f in found if Path(f).suffix.lower() not in _BUILDERS]
+        files = [f for f in found if Path(f).suffix.lower() in FILE_BUILDERS]
+        skipped = [f for f in found if Path(f).suffix.lower() not in FILE_BUILDERS]
         if not files:
             raise ConfigError(f"data.path: directory {path} holds no .txt/.jsonl/.json/.parquet files {hint}"
                               + (f"; it has {_listing(skipped, p)}" if skipped else ""))
@@ -120,10 +120,10 @@ def _resolve_source(path):
                         f".parquet: {_listing(skipped, p)} (name the data files with a glob to silence this)")
     else:
         files = [str(p)]
-    bad = [f for f in files if Path(f).suffix.lower() not in _BUILDERS]
+    bad = [f for f in files if Path(f).suffix.lower() not in FILE_BUILDERS]
     if bad:
         raise ConfigError(f"data.path: unsupported file type (expected .txt/.jsonl/.json/.parquet): {_listing(bad)}")
-    return "files", files, _files_fingerprint(files)
+    return "files", files, files_fingerprint(files)
 
 
 class _TextColumn:
@@ -142,7 +142,7 @@ class _TextColumn:
         return {"text": self.texts[rows]}
 
 
-def _load_sources(kind, files, text_field, cache_dir: Path):
+def load_sources(kind, files, text_field, cache_dir: Path):
     """-> list of single-column datasets.Dataset. Plain text is split into documents at blank lines."""
     if kind == "default":
         from pydoc_data.topics import topics
@@ -153,7 +153,7 @@ def _load_sources(kind, files, text_field, cache_dir: Path):
         ds = datasets.load_from_disk(files[0])
         out = [(ds[k], text_field) for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [(ds, text_field)]
     for ext in sorted({Path(f).suffix.lower() for f in files}) if kind == "files" else []:
-        builder = _BUILDERS[ext]    # empty files are skipped: they have no schema to infer
+        builder = FILE_BUILDERS[ext]    # empty files are skipped: they have no schema to infer
         group = [f for f in files if Path(f).suffix.lower() == ext and os.path.getsize(f) > 0]
         kw = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
@@ -174,7 +174,7 @@ def _load_sources(kind, files, text_field, cache_dir: Path):
             for ds, col in out]
 
 
-def _iter_docs(sources):
+def iter_docs(sources):
     """Yield batches (lists) of non-empty documents, in a fixed order."""
     for ds in sources:
         for start in range(0, len(ds), _BATCH_DOCS):
@@ -194,7 +194,7 @@ def _is_val_mask(n_docs: int, val_fraction: float) -> np.ndarray:
 def _train_docs(sources, is_val: np.ndarray):
     """Batches of the training documents (``is_val`` marks the validation ones)."""
     i = 0
-    for batch in _iter_docs(sources):
+    for batch in iter_docs(sources):
         keep = ~is_val[i:i + len(batch)]
         i += len(batch)
         yield [d for d, k in zip(batch, keep) if k]
@@ -202,8 +202,8 @@ def _train_docs(sources, is_val: np.ndarray):
 
 def _load_docs(data_cfg, kind, files, text_field: str, val_fraction: float, cache_dir: Path):
     """-> (sources, validation mask over their documents); at least one document per split asked for."""
-    sources = _load_sources(kind, files, text_field, cache_dir)
-    n_docs = sum(len(b) for b in _iter_docs(sources))
+    sources = load_sources(kind, files, text_field, cache_dir)
+    n_docs = sum(len(b) for b in iter_docs(sources))
     need = 1 if val_fraction == 0 else 2
     if n_docs < need:
         raise ConfigError(f"data.path: {data_cfg.path or 'default corpus'} holds {n_docs} non-empty "
@@ -220,18 +220,18 @@ def _tokenizer(tok_name, vocab_size: int, cache_dir: Path, corpus_key: str, docs
             raise ConfigError(f"model.vocab_size: {vocab_size} is too small for a byte-level BPE (needs >= 257)")
         tok_file = cache_dir / f"tokenizer-{_sha(corpus_key, vocab_size, 'bytelevel-bpe')}.json"
         if not tok_file.exists():
-            text = _train_bpe(_train_docs(*docs()), vocab_size)
-            _atomic_write(tok_file, lambda f: f.write(text.encode()))
-        tokenizer, tok_id = _wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
+            text = train_bpe(_train_docs(*docs()), vocab_size)
+            atomic_write(tok_file, lambda f: f.write(text.encode()))
+        tokenizer, tok_id = wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
         return tokenizer, tok_id, f"byte-level BPE trained on this corpus ({tok_file})"
-    return *_user_tokenizer(str(tok_name)), str(tok_name)
+    return *load_tokenizer(str(tok_name)), str(tok_name)
 
 
 def _tokenize(tokenizer, eos_id: int, sources, is_val) -> dict[str, np.ndarray]:
     """Token stream per split: each document's ids followed by ``eos_id``."""
     parts, i = {"train": [], "val": []}, 0
-    for batch in _iter_docs(sources):
-        for ids, v in zip(_encode(tokenizer, batch), is_val[i:i + len(batch)]):
+    for batch in iter_docs(sources):
+        for ids, v in zip(encode(tokenizer, batch), is_val[i:i + len(batch)]):
             parts["val" if v else "train"].append(np.asarray(list(ids) + [eos_id], dtype=np.int32))
         i += len(batch)
     return {s: np.concatenate(parts[s]) if parts[s] else np.zeros(0, np.int32) for s in parts}
@@ -254,7 +254,7 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
         raise ConfigError(f"data.val_fraction: {val_fraction} must be in [0, 1)")
     cache_dir = Path(os.path.expanduser(str(getattr(data_cfg, "cache_dir", None) or ".cache/data")))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    kind, files, fingerprint = _resolve_source(getattr(data_cfg, "path", None))
+    kind, files, fingerprint = resolve_source(getattr(data_cfg, "path", None))
     corpus_key = _sha(_CACHE_VERSION, kind, fingerprint, text_field if kind != "default" else None, val_fraction)
     docs = cache(lambda: _load_docs(data_cfg, kind, files, text_field, val_fraction, cache_dir))   # read if needed
 
@@ -263,7 +263,7 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     if len(tokenizer) > vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer vocab ({len(tokenizer)}) exceeds model.vocab_size "
                           f"({vocab_size}); raise model.vocab_size")
-    eos_id = _eos_id(tokenizer, tok_name or "trained BPE")
+    eos_id = find_eos_id(tokenizer, tok_name or "trained BPE")
 
     key = _sha(corpus_key, tok_id, vocab_size, eos_id)
     paths = {s: cache_dir / f"tokens-{key}.{s}.npy" for s in ("train", "val")}
@@ -272,10 +272,10 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     if not cache_hit:
         arrays = _tokenize(tokenizer, eos_id, *docs())
         for split, p in paths.items():
-            _atomic_write(p, lambda f, a=arrays[split]: np.save(f, a))
+            atomic_write(p, lambda f, a=arrays[split]: np.save(f, a))
         info = {"train_tokens": len(arrays["train"]), "val_tokens": len(arrays["val"]), "eos_id": eos_id,
                 "vocab_size": len(tokenizer), "source": str(getattr(data_cfg, "path", None))}
-        _atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
+        atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
     train, val = (np.load(paths[s], mmap_mode="r") for s in ("train", "val"))
     seq_len = getattr(data_cfg, "seq_len", None)
     if val_fraction > 0 and seq_len and len(val) < seq_len + 1:
@@ -285,96 +285,3 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
                           "or set data.val_fraction=0 to train without validation")
     return Corpus(train_tokens=train, val_tokens=val, eos_id=eos_id, vocab_size=len(tokenizer), tokenizer=tokenizer,
                   tokenizer_source=tok_source, cache_hit=cache_hit, cache_file=str(paths["train"]))
-
-
-def _windows(tokens: np.ndarray, idx, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.stack([np.asarray(tokens[i * seq_len:i * seq_len + seq_len + 1]) for i in idx]).astype(np.int64)
-    rows = torch.from_numpy(rows)
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-
-class PackedBatches:
-    """Deterministic, resumable stream of packed training sequences for one data-parallel rank.
-
-    Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; epoch e visits the windows in the order of
-    ``torch.randperm(N, generator=manual_seed(seed + e))``; global batch k is positions
-    ``[k*G, (k+1)*G)`` of the concatenated epoch orders, and rank r gets rows ``[r*b, (r+1)*b)``, b = G // dp_size.
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):
-        if global_batch_size % dp_size != 0:
-            raise ValueError(f"global_batch_size ({global_batch_size}) is not divisible by dp_size ({dp_size})")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
-        self.tokens, self.seq_len, self.global_batch_size = tokens, int(seq_len), int(global_batch_size)
-        self.seed, self.dp_rank, self.dp_size = int(seed), int(dp_rank), int(dp_size)
-        n = max(0, (len(tokens) - 1) // self.seq_len)
-        if n < self.global_batch_size:
-            raise ConfigError(f"data.seq_len: the training stream ({len(tokens)} tokens) gives only {n} windows of "
-                              f"data.seq_len+1={self.seq_len + 1} tokens, fewer than train.global_batch_size="
-                              f"{self.global_batch_size}; lower data.seq_len or train.global_batch_size, or add data")
-        self._n = n
-        self.consumed_samples = 0
-        self._perms: dict[int, np.ndarray] = {}
-
-    @property
-    def num_samples(self) -> int:
-        return self._n
-
-    @property
-    def epoch(self) -> int:
-        return self.consumed_samples // self._n
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perms[epoch] = torch.randperm(self._n, generator=g).numpy()
-        return self._perms[epoch]
-
-    def next_batch(self, global_batch_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the next global batch (``global_batch_size`` sequences, default the
-        constructor's; a batch-size ramp passes the step's own)."""
-        g = self.global_batch_size if global_batch_size is None else int(global_batch_size)
-        if g % self.dp_size:
-            raise ValueError(f"global batch {g} is not divisible by dp_size {self.dp_size}")
-        start = self.consumed_samples + self.dp_rank * (g // self.dp_size)
-        idx = [self._perm(p // self._n)[p % self._n] for p in range(start, start + g // self.dp_size)]
-        self.consumed_samples += g
-        return _windows(self.tokens, idx, self.seq_len)
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": int(self.consumed_samples), "seed": self.seed, "num_samples": self._n,
-                "global_batch_size": self.global_batch_size}
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Resume; raises ConfigError (one line, naming the key) if the saved stream had a different seed or
-        window count (other data): its position would index a different order."""
-        fresh = "or start a new run with checkpoint.resume=none or another checkpoint.dir"
-        if sd.get("kind") == "blend":
-            raise ConfigError(f"data.blend: the checkpoint was trained on token datasets (data.blend), this run reads a "
-                              f"text corpus; resume with the checkpoint's data settings, {fresh}")
-        if "seed" in sd and int(sd["seed"]) != self.seed:
-            raise ConfigError(f"train.seed: the checkpoint was written with train.seed={int(sd['seed'])}, this run has "
-                              f"train.seed={self.seed} (the seed fixes the data order, so the checkpoint's data position "
-                              f"means other batches); resume with train.seed={int(sd['seed'])}, {fresh}")
-        if "num_samples" in sd and int(sd["num_samples"]) != self._n:
-            raise ConfigError(f"data.path: the checkpoint's training stream has {int(sd['num_samples'])} windows, this "
-                              f"run's has {self._n} (data.path, data.tokenizer, data.seq_len or data.val_fraction "
-                              f"changed); resume with the checkpoint's data settings, {fresh}")
-        self.consumed_samples = int(sd["consumed_samples"])
-
-
-def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first ``max_batches`` full batches of consecutive windows, in stream order (same packing as
-    training). If the split has fewer windows than one batch, a single smaller batch of all of them;
-    no windows at all -> []. ``max_batches <= 0`` means all full batches."""
-    n = max(0, (len(tokens) - 1) // seq_len)
-    if n == 0:
-        return []
-    if n < batch_size:
-        return [_windows(tokens, range(n), seq_len)]
-    n_batches = n // batch_size if max_batches <= 0 else min(max_batches, n // batch_size)
-    return [_windows(tokens, range(k * batch_size, (k + 1) * batch_size), seq_len) for k in range(n_batches)]

@@ -1,12 +1,10 @@
-"""Learning-rate and batch-size schedules: pure functions of the step and the consumed tokens, so a resume
-(which restores both) continues them exactly.
+"""The learning-rate schedule: a pure function of the step and the consumed tokens, so a resume (which restores
+both) continues it exactly (the batch-size ramp, likewise: ``data/ramp.py``).
 
 * LR (``optim.decay``): ``cosine`` / ``constant`` after a linear warmup, over ``train.max_steps``; or ``phases``:
   DeepSeek-V3's multi-phase schedule by tokens (``optim.phases``: each phase lasts ``tokens`` and goes from the
   previous phase's end value to its own ``lr``, constant, linearly or along a half cosine), with the warmup
   (``optim.warmup_steps``) scaling the first steps. ``configs/schedule/v3.yaml`` holds the report's values.
-* Batch size (``train.batch_ramp``): from ``start`` to ``train.global_batch_size`` sequences in steps of
-  ``increment``, evenly over the first ``tokens`` consumed tokens (Megatron-LM's ramp-up, by tokens).
 """
 from __future__ import annotations
 
@@ -42,22 +40,3 @@ def phase_lr(o, tokens: float) -> float:
             return ph.lr + (start - ph.lr) * 0.5 * (1 + math.cos(math.pi * frac))
         start, begin = ph.lr, end
     return start
-
-
-def batch_size_at(t, tokens: float) -> int:
-    """Sequences in the next global batch after ``tokens`` consumed tokens (``train.batch_ramp``)."""
-    r = t.batch_ramp
-    if r.start is None or tokens >= r.tokens:
-        return t.global_batch_size
-    inc = r.increment or r.start
-    n_increments = (t.global_batch_size - r.start) // inc
-    done = int(tokens // (r.tokens / n_increments)) if n_increments else 0
-    return min(t.global_batch_size, r.start + done * inc)
-
-
-def ramp_sizes(t) -> list[int]:
-    """Every global batch size the ramp passes through (for layout validation)."""
-    r = t.batch_ramp
-    if r.start is None:
-        return [t.global_batch_size]
-    return list(range(r.start, t.global_batch_size, r.increment or r.start)) + [t.global_batch_size]

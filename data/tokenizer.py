@@ -1,5 +1,5 @@
 """The corpus tokenizer: ``data.tokenizer`` (a local HF tokenizer directory or a tokenizer.json file) or a
-byte-level BPE trained on the training documents (``trainer.data`` caches it); its EOS id; batch encoding."""
+byte-level BPE trained on the training documents (``data.corpus`` caches it); its EOS id; batch encoding."""
 from __future__ import annotations
 
 import hashlib
@@ -12,12 +12,12 @@ EOS = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
 
 
-def _wrap_tokenizer(tok_file: str):
+def wrap_tokenizer(tok_file: str):
     from transformers import PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_file=tok_file, eos_token=EOS, clean_up_tokenization_spaces=False)
 
 
-def _train_bpe(doc_batches, vocab_size: int) -> str:
+def train_bpe(doc_batches, vocab_size: int) -> str:
     """A byte-level BPE with ``EOS`` as its special token, trained on ``doc_batches`` (lists of documents);
     -> its tokenizer.json text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -31,7 +31,7 @@ def _train_bpe(doc_batches, vocab_size: int) -> str:
     return tok.to_str()
 
 
-def _user_tokenizer(path: str):
+def load_tokenizer(path: str):
     """-> (tokenizer, identity hash) for a local HF tokenizer dir or a tokenizer.json file."""
     p = Path(os.path.expanduser(path))
     if not p.exists():
@@ -53,7 +53,7 @@ def _user_tokenizer(path: str):
     return tok, h.hexdigest()
 
 
-def _eos_id(tok, name) -> int:
+def find_eos_id(tok, name) -> int:
     """The tokenizer's EOS id; a bare tokenizer.json gets its eos_token set from well-known names."""
     if tok.eos_token_id is not None:
         return int(tok.eos_token_id)
@@ -66,7 +66,7 @@ def _eos_id(tok, name) -> int:
     raise ConfigError(f"data.tokenizer: {name} defines no EOS token (tried eos_token, {', '.join(_EOS_CANDIDATES)})")
 
 
-def _encode(tok, texts):
+def encode(tok, texts):
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
