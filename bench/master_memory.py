@@ -3,7 +3,7 @@
     python bench/master_memory.py [--dim 512] [--world 2] [--zero 0 1]
 
 For each ZeRO stage and weight dtype, ``world`` data-parallel ranks build the tiny preset widened to
-``--dim``, build the optimizer as the trainer does (``build_optimizer(..., weights=weights_for(precision))``),
+``--dim``, build the optimizer as the trainer does (``build_optimizer(..., weights=Precision(precision).weights)``),
 run two micro-batches (BF16 autocast as the trainer's bf16 runs) and stop before the update, when the
 gradients of the step are all held. Rank 0 reports, in MiB: the live tensors by role (parameters,
 gradients as held then, the FP32 master, the AdamW moments), the optimizer's own ``memory()`` formula

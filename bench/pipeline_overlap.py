@@ -81,11 +81,11 @@ def worker(rank, world, store, args, out):
                 for moe in model.moe_layers():
                     moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, solo, 1)
             add_latency(model, latency / 1e3)
-            runners[(overlap, latency)] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2],
+            runners[(overlap, latency)] = (model, PipelineRunner.from_model(model, dims, "dualpipe", N_MB, layout=[3, 2],
                                                                  overlap=overlap))
     if args.sequential_halves:   # overlap on at L = 0, but each F&B's halves run one after the other
         model = apply_ep(build(cfg, seed=0), dims).train()
-        runners[SEQ] = (model, PipelineRunner(model, dims, "dualpipe", N_MB, layout=[3, 2], overlap=True))
+        runners[SEQ] = (model, PipelineRunner.from_model(model, dims, "dualpipe", N_MB, layout=[3, 2], overlap=True))
     # Round robin over the configurations, one step each, so that the load of a shared machine drifts
     # over all of them alike; the best of the timed steps counts (the first round is warm-up). The order is
     # reversed every other round, so that no configuration always runs first after the barrier.

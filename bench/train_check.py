@@ -200,7 +200,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     from models.params import flops_per_token
     from parallel.dims import ParallelDims
     from parallel.zero import build_optimizer
-    from parallel.zero.master import weights_for
+    from parallel.precision import Precision
 
     dev = torch.device(device)
     torch.manual_seed(seed)
@@ -211,7 +211,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     elif precision != "bf16":
         raise ValueError(f"precision {precision!r}: bf16 or fp8")
     model.train()
-    opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1), weights=weights_for(precision))   # as the trainer
+    opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1), weights=Precision(precision).weights)   # as the trainer
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 

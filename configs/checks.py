@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from .schema import (CheckpointConfig, Config, DataConfig, LoggingConfig, OptimConfig, ParallelConfig,
                          Piecewise, TrainConfig)
 
-PRECISIONS = ("fp32", "bf16", "fp8")             # train.precision
 DEVICES = ("auto", "cpu", "cuda")                # train.device
 ZERO_BACKENDS = ("native", "deepspeed")          # parallel.zero_backend
 DECAYS = ("cosine", "constant", "phases")        # optim.decay
@@ -27,6 +26,11 @@ WANDB_MODES = ("offline", "online", "disabled")  # logging.wandb.mode
 
 # Allowed values that live with their code in parallel/ (registries of torch modules): read when a config is
 # validated, not when this module is imported, so that ``import configs.schema`` needs no torch.
+def precisions() -> tuple[str, ...]:                 # train.precision
+    from parallel.precision import PRECISIONS
+    return PRECISIONS
+
+
 def recompute_modes() -> tuple[str, ...]:            # train.recompute
     from parallel.recompute import MODES
     return tuple(MODES)
@@ -130,7 +134,7 @@ def _check_train(t: TrainConfig) -> None:
     _check_ramp(t)
     if t.ema_decay is not None:
         _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")
-    _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.precision", t.precision, precisions())
     _one_of("train.recompute", t.recompute, recompute_modes())
     _one_of("train.device", t.device, DEVICES)
     if t.device == "cuda":

@@ -36,15 +36,8 @@ class ParallelConfig:
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
     timeout_s: int = 600        # collective timeout (s, > 0); a hung peer raises an error naming rank and layer
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
-    overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls, where there are some (ep > 1; fb_overlap, docs/pipeline.md)
+    overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls, where there are some (ep > 1; parallel.parallelize.fb_overlap, docs/pipeline.md)
     fp8_dispatch: bool = False  # MoE dispatch sends tokens as FP8 (E4M3, pow2 1x128 scales); combine stays BF16
-
-    @property
-    def fb_overlap(self) -> bool:
-        """Whether the F&B actions run overlapped: ``overlap`` where an expert all-to-all exists to hide (ep > 1).
-        With ep = 1 the dispatcher moves nothing, and cutting and interleaving the halves would only cost time
-        (about 6 % of the F&Bs of a tiny CPU model, docs/benchmarks.md)."""
-        return self.overlap and self.ep > 1
 
 
 @dataclass
@@ -288,7 +281,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero,
                     zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule)
     dp = world_size // p.pp
-    from data.ramp import ramp_sizes
+    from data.ramp import micro_batches, ramp_sizes
     for gbs in ramp_sizes(t):   # the ramp's sizes first: each must fit the layout as the final one does
         final = gbs == t.global_batch_size
         key = "train.global_batch_size" if final else "train.batch_ramp"
@@ -299,7 +292,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
                 + ("" if final else "; choose batch_ramp.start and increment as multiples of it"))
         if p.pp > 1:
             from parallel.pipeline.schedules import get_schedule
-            n_micro = gbs // (t.micro_batch_size * dp)
+            n_micro = micro_batches(gbs, t.micro_batch_size, dp)
             try:
                 get_schedule(p.schedule, p.pp, n_micro)
             except ValueError as e:

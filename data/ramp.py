@@ -17,6 +17,12 @@ def batch_size_at(t, tokens: float) -> int:
     return min(t.global_batch_size, r.start + done * inc)
 
 
+def micro_batches(global_batch: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per data-parallel rank in a global batch of ``global_batch`` sequences (which
+    ``configs.schema.validate`` checks divides into ``micro_batch_size x dp``)."""
+    return global_batch // (micro_batch_size * dp)
+
+
 def ramp_sizes(t) -> list[int]:
     """Every global batch size the ramp passes through (for layout validation)."""
     r = t.batch_ramp

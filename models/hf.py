@@ -110,7 +110,7 @@ def expert_starts(model: DeepSeekV3, expert_range: tuple[int, int] | None = None
     for name, mod in model.named_modules():
         if not isinstance(mod, GroupedExperts):
             continue
-        held, offset = mod.w1.shape[0], getattr(mod, "expert_offset", None)
+        held, offset = mod.w1.shape[0], mod.expert_offset
         if expert_range is not None:
             start, end = expert_range
             if not 0 <= start < end <= n or end - start != held:

@@ -73,8 +73,9 @@ def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked weights; computes on tokens already sorted by expert."""
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, expert_offset: int | None = None):
         super().__init__()
+        self.expert_offset = expert_offset   # global id of expert 0 when this holds a slice (parallel.ep), else None
         self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # gate  [E,F,D]
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))   # down  [E,D,F]
         self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # up    [E,F,D]

@@ -243,11 +243,9 @@ class FP8GroupedExperts(GroupedExperts):
         kernels.resolve_backend(backend, "cpu")
         E, F_, D = experts.w1.shape
         with torch.device("meta"):
-            new = cls(E, D, F_)
+            new = cls(E, D, F_, experts.expert_offset)
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        for key, value in vars(experts).items():          # plain attributes set by other layouts,
-            if not key.startswith("_") and key != "training":   # e.g. apply_ep's expert_offset
-                setattr(new, key, value)
+        new.wgrad_queue = getattr(experts, "wgrad_queue", None)   # deferred Wgrad applied first (parallel/wgrad.py)
         new.backend, new.pow2_scales = backend, pow2_scales
         new.train(experts.training)
         return new

@@ -285,11 +285,8 @@ class DeferredGroupedExperts(GroupedExperts):
     def from_experts(cls, experts: GroupedExperts, queue: WeightGradQueue) -> "DeferredGroupedExperts":
         E, F_, D = experts.w1.shape
         with torch.device("meta"):
-            new = cls(E, D, F_)
+            new = cls(E, D, F_, experts.expert_offset)
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        for key, value in vars(experts).items():          # plain attributes of other layouts (expert_offset)
-            if not key.startswith("_") and key != "training":
-                setattr(new, key, value)
         new.wgrad_queue = queue
         new.train(experts.training)
         return new

@@ -67,20 +67,21 @@ def test_composed_config_keeps_every_schema_default(overrides):
 
 def test_overlap_is_on_by_default_where_it_applies():
     """On by default; it applies where an expert all-to-all exists to hide (ep > 1)."""
+    from parallel.parallelize import fb_overlap
     assert Config().parallel.overlap is True and make_config().parallel.overlap is True
-    assert make_config("parallel.ep=2", world_size=2).parallel.fb_overlap is True
-    assert make_config().parallel.fb_overlap is False   # ep = 1: nothing travels
-    assert make_config("parallel.ep=2", "parallel.overlap=false", world_size=2).parallel.fb_overlap is False
+    assert fb_overlap(True, 2) is True
+    assert fb_overlap(True, 1) is False   # ep = 1: nothing travels
+    assert fb_overlap(False, 2) is False
 
 
 def test_the_startup_log_says_whether_the_f_and_b_overlap_runs():
     from types import SimpleNamespace
 
     from trainer.startup import _overlap_note
-    on = SimpleNamespace(overlap=True, fb_overlap=True)
-    assert _overlap_note(on) == " (F&B overlap on)"
-    assert "ep = 1" in _overlap_note(SimpleNamespace(overlap=True, fb_overlap=False))
-    assert _overlap_note(SimpleNamespace(overlap=False, fb_overlap=False)) == " (F&B overlap off)"
+    on, off = SimpleNamespace(overlap=True), SimpleNamespace(overlap=False)
+    assert _overlap_note(on, SimpleNamespace(overlap=True)) == " (F&B overlap on)"
+    assert "ep = 1" in _overlap_note(on, SimpleNamespace(overlap=False))
+    assert _overlap_note(off, SimpleNamespace(overlap=False)) == " (F&B overlap off)"
 
 
 @pytest.mark.parametrize("schedule", [NO_PIPELINE, *SCHEDULES])

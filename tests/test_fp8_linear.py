@@ -159,7 +159,7 @@ def test_apply_fp8_swaps_by_name_and_keeps_parameters():
     model = tiny_model()
     params = dict(model.named_parameters())
     keys = set(model.state_dict())
-    model.layers[2].ffn.experts.expert_offset = 4          # attributes of other layouts (apply_ep) survive
+    model.layers[2].ffn.experts.expert_offset = 4          # the EP shard offset (apply_ep) survives
     names = apply_fp8(model, backend="emulation")
     assert model.layers[2].ffn.experts.expert_offset == 4
     assert len(names) == 44                          # 5 layers x 5 MLA projections, 1 dense MLP, 4 x (shared + routed)

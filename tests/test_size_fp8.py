@@ -9,7 +9,7 @@ from configs import model_preset
 from configs.schema import compose
 from parallel.fp8 import apply_fp8
 from parallel.recompute import MODES, apply_recompute
-from parallel.zero import WEIGHT_DTYPES, weights_for
+from parallel.precision import Precision
 from parallel.zero.master import cast_
 from trainer.activations import activation_bytes_per_token, stage_activations
 from tools.size import main
@@ -49,12 +49,12 @@ def saved_bytes_per_token(model, monkeypatch) -> float:
 
 def tiny(mode: str, fp8: bool):
     """The tiny model as the trainer runs it: FP8 modules (emulated) with ``fp8``, ``mode``'s recomputation,
-    BF16 weights (``weights_for``: else autocast's per-weight BF16 copies would be counted too)."""
+    BF16 weights (``Precision.weights``: else autocast's per-weight BF16 copies would be counted too)."""
     model = models.build(model_preset("tiny"), seed=0).train()
     if fp8:
         apply_fp8(model, backend="emulation")
     apply_recompute(model, mode)
-    cast_(list(model.parameters()), WEIGHT_DTYPES[weights_for("fp8" if fp8 else "bf16")])
+    cast_(list(model.parameters()), Precision("fp8" if fp8 else "bf16").weight_dtype)
     return model
 
 

@@ -328,7 +328,7 @@ def test_fp8_modules_keep_class_and_numerics_either_order():
 def test_converter_keeps_parameters_and_is_idempotent():
     model = make_model()
     params, keys = dict(model.named_parameters()), set(model.state_dict())
-    model.layers[1].ffn.experts.expert_offset = 4                 # attributes of other layouts survive
+    model.layers[1].ffn.experts.expert_offset = 4                 # the EP shard offset survives
     queue = WeightGradQueue()
     names = apply_deferred_wgrad(model, queue)
     assert model.layers[1].ffn.experts.expert_offset == 4

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 
 import models
 from configs.schema import compose
+from data import micro_batches
 from models.moe import GroupedExperts
 from models.params import flops_per_token
+from parallel.parallelize import fb_overlap
 from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
@@ -93,8 +95,8 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     hw = for_world(hw, world_size)
     model = model if model is not None else models.build(cfg.model, "meta")
     stage_costs, _, traffic, p2p = action_costs(cfg, hw, model_parts(model), precision, recompute)
-    n_micro = max(1, t.global_batch_size // (t.micro_batch_size * dims.dp))
-    overlap = p.fb_overlap or not hw.measured   # GPU plans assume the overlapped F&B; CPU runs follow the trainer
+    n_micro = max(1, micro_batches(t.global_batch_size, t.micro_batch_size, dims.dp))
+    overlap = fb_overlap(p.overlap, p.ep) or not hw.measured   # GPU plans assume the overlapped F&B; CPU runs follow the trainer
     if p.pp > 1:
         sim, sc, notes = simulate_layout(cfg, hw, world_size, n_micro, StageCosts(stage_costs, p2p, overlap))
         pipeline, bubble = sim.makespan, sim.bubble[0]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import models
 from configs.schema import Config
+from data import micro_batches
 from errors import ConfigError
 from models.config import ModelError
 from models.moe import GroupedExperts
@@ -45,7 +46,8 @@ from parallel.dims import ParallelDims, validate_layout
 from parallel.pipeline.schedules import Schedule, get_schedule
 from parallel.pipeline.simulator import Costs, peak_live, simulate
 from parallel.recompute import MODES as RECOMPUTE
-from parallel.zero import MOMENT_DTYPES, WEIGHT_DTYPES, moment_dtype, weights_for
+from parallel.precision import Precision
+from parallel.zero import MOMENT_DTYPES, moment_dtype
 from parallel.zero.memory import formula
 from .activations import FLOOR, V3_RECIPE, stage_activations, stage_wgrad_held
 
@@ -163,7 +165,7 @@ def recipe_bytes(cfg: Config, recipe: str) -> tuple[int, int]:
         raise ConfigError(f"--recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
     weight, moment = RECIPES[recipe]
     if weight is None:
-        weight = WEIGHT_DTYPES[weights_for(cfg.train.precision)].itemsize
+        weight = Precision(cfg.train.precision).weight_dtype.itemsize
     if moment is None:
         p = cfg.parallel
         moment = MOMENT_DTYPES[moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend)].itemsize
@@ -214,10 +216,10 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     dims = dims or check_layout(cfg, world_size or p.pp * p.ep)
     w_b, m_b = recipe_bytes(cfg, recipe)
     parts = model_parts(model if model is not None else models.build(m, "meta"))
-    a = 2 if recipe == "v3" or t.precision != "fp32" else 4
-    fp8 = recipe == "trainer" and t.precision == "fp8"   # FP8 layers cache their inputs in FP8
+    a = 2 if recipe == "v3" else Precision(t.precision).activation_bytes
+    fp8 = recipe == "trainer" and Precision(t.precision).fp8   # FP8 layers cache their inputs in FP8
     notes = []
-    n_micro, schedule, sim = _pipeline(p, max(1, t.global_batch_size // (t.micro_batch_size * dims.dp)), notes)
+    n_micro, schedule, sim = _pipeline(p, max(1, micro_batches(t.global_batch_size, t.micro_batch_size, dims.dp)), notes)
     split = split_layers(m.n_layers, n_stages(p.schedule, p.pp), p.pp_layout)
     tokens = t.micro_batch_size * cfg.data.seq_len
     deferred = schedule is not None and schedule.splits_backward   # the runner's wgrad_queue rule

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from data import micro_batches
 from models.params import FLOPS_FORMULA, flops_per_token
 
 from .wandb_panels import WandbPanels, start_run
@@ -222,7 +223,7 @@ class MetricsLogger:
         p, t = cfg["parallel"], cfg["train"]
         if p["pp"] > 1:
             dp = max(1, self.world_size // p["pp"])
-            n_micro = t["global_batch_size"] // (t["micro_batch_size"] * dp)
+            n_micro = micro_batches(t["global_batch_size"], t["micro_batch_size"], dp)
             schedule = p["schedule"]   # pp > 1 always names one (parallel.dims.validate_layout)
             try:
                 self.static["pipeline/bubble_unit_costs"] = simulated_bubble(schedule, p["pp"], n_micro)

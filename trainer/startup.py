@@ -8,13 +8,12 @@ from omegaconf import OmegaConf
 
 import models
 from configs.schema import Config
-from data import BlendedBatches, PackedBatches, batch_size_at, blend_val_batches, load_corpus, val_batches
+from data import (BlendedBatches, PackedBatches, batch_size_at, blend_val_batches, load_corpus, micro_batches,
+                  val_batches)
 from errors import ConfigError
 from parallel.dims import ParallelDims
-from parallel.ep import apply_ep
-from parallel.pipeline.runner import PipelineRunner
-from parallel.recompute import apply_recompute
-from parallel.zero.master import WEIGHT_DTYPES, weights_for
+from parallel.parallelize import ParallelSpec, parallelize
+from parallel.precision import Precision
 
 from .metrics import MetricsLogger, saved_run_id
 
@@ -55,26 +54,19 @@ def load_corpus_rank0_first(cfg: Config, dims: ParallelDims):
     return corpus
 
 
+def parallel_spec(cfg: Config, dims: ParallelDims) -> ParallelSpec:
+    """What ``parallel.parallelize`` needs of the config (the first step's micro-batches per rank)."""
+    t, p = cfg.train, cfg.parallel
+    return ParallelSpec(Precision(t.precision), p.ep_dispatcher, p.fp8_dispatch, p.schedule,
+                        micro_batches(batch_size_at(t, 0), t.micro_batch_size, dims.dp),
+                        tuple(p.pp_layout) if p.pp_layout is not None else None, p.overlap, t.recompute)
+
+
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: bool):
-    """The model (this rank's expert shard, FP8 layers with train.precision=fp8) and, with pp > 1, the
-    PipelineRunner that keeps this rank's stages. Returns (model, pipe or None), in train mode."""
-    t = cfg.train
-    model = apply_ep(models.build(cfg.model, device="meta" if on_meta else device, seed=t.seed), dims,
-                     dispatcher=cfg.parallel.ep_dispatcher, fp8_dispatch=cfg.parallel.fp8_dispatch)
-    # The module transforms, in this one order: apply_ep (above), apply_fp8, apply_deferred_wgrad (inside
-    # PipelineRunner, zero-bubble schedules), apply_recompute last: it swaps classes in place, and a module
-    # replaced after it (routed experts by the FP8 or deferred ones) would silently not recompute.
-    if t.precision == "fp8":   # swap linears and routed experts for FP8 ones, by name (parallel/fp8.py)
-        from parallel.fp8 import apply_fp8
-        apply_fp8(model)
-    pipe = None
-    if dims.pp > 1:   # keeps this rank's stages and prunes the rest of the model
-        n_micro = batch_size_at(t, 0) // (t.micro_batch_size * dims.dp)   # the first step's
-        pipe = PipelineRunner(model, dims, cfg.parallel.schedule, n_micro, cfg.parallel.pp_layout, device,
-                              cfg.parallel.fb_overlap, WEIGHT_DTYPES[weights_for(t.precision)])
-    apply_recompute(model, t.recompute)   # train.recompute (parallel/recompute.py)
-    model.train()
-    return model, pipe
+    """The model, parallelized (``parallel.parallelize``: this rank's expert shard, FP8 layers, its pipeline
+    stages, recomputation). Returns (model, pipe or None), in train mode."""
+    model = models.build(cfg.model, device="meta" if on_meta else device, seed=cfg.train.seed)
+    return parallelize(model, parallel_spec(cfg, dims), dims, device)
 
 
 def open_data(cfg: Config, dims: ParallelDims, corpus):
@@ -126,8 +118,8 @@ def tokenizer_json(cfg: Config, corpus) -> str | None:
     return None
 
 
-def _overlap_note(p) -> str:
-    if p.fb_overlap:
+def _overlap_note(p, pipe) -> str:
+    if pipe is not None and pipe.overlap:
         return " (F&B overlap on)"
     return " (F&B overlap off" + (": ep = 1, no expert all-to-all to hide)" if p.overlap else ")")
 
@@ -145,7 +137,7 @@ def startup_lines(trainer) -> list[str]:
     n = count_params(models.build(c.model, device="meta"))
     lines = [f"run dir {run_dir} (resolved config: {run_dir / 'config.yaml'})",
              f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
-             f"{p.schedule}{_overlap_note(p) if d.pp > 1 else ''}; zero {p.zero}; precision {c.train.precision}; "
+             f"{p.schedule}{_overlap_note(p, trainer.pipe) if d.pp > 1 else ''}; zero {p.zero}; precision {c.train.precision}; "
              f"device {trainer.device}",
              f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
              f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]

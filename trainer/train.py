@@ -14,7 +14,8 @@ from parallel.collective_trace import CollectiveTrace, group_labels, step_from_e
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
 from parallel.fp8 import reuse_fp8_weights
-from parallel.zero import NonFiniteGradients, build_optimizer, weights_for
+from parallel.precision import Precision
+from parallel.zero import NonFiniteGradients, build_optimizer
 
 from . import run_state
 from .ema import ParamEMA
@@ -42,7 +43,9 @@ class Trainer:
         t = cfg.train
         self.device = device or pick_device(t.device)
         self.timers = StepTimers(self.device)   # time_<phase>_s per step (trainer/timers.py)
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=t.precision in ("bf16", "fp8"))
+        self.precision = Precision(t.precision)
+        self.autocast = torch.autocast(self.device.type, dtype=self.precision.autocast or torch.bfloat16,
+                                       enabled=self.precision.autocast is not None)
         # Before anything slow: an unwritable checkpoint.dir fails now (one line), not at the first save.
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                       is_writer=self.dims.is_main)
@@ -66,7 +69,7 @@ class Trainer:
         # precision bf16/fp8 it keeps the FP32 values as its master and casts the weights to BF16.
         self.opt = build_optimizer(self.model, cfg.optim, self.dims, cfg.parallel.zero, cfg.parallel.zero_backend,
                                    cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None,
-                                   weights=weights_for(t.precision))
+                                   weights=self.precision.weights)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
         master = self.opt.master_weights()   # the FP32 truth of BF16 weights (None: the FP32 weights are)
         self.ema = ParamEMA(self.model if master is None else master, t.ema_decay) if t.ema_decay else None

@@ -1,10 +1,10 @@
 """``PipelineRunner``: what the trainer needs from pipeline parallelism, in one object.
 
-Built from the full single-device model (already expert-sharded, FP8 swapped): with a zero-bubble
-schedule it makes the model's GEMM modules defer their weight gradients (``wgrad_queue``); it keeps this
-rank's stages, prunes the rest, owns the executor for this rank's action list, its ``WeightGradQueue`` and
-the replica sums (DualPipe's twin stages, tied embeddings), and runs forward-only evaluation through the
-stages.
+``PipelineRunner.from_model`` takes the full single-device model (already expert-sharded, FP8 swapped): with a
+zero-bubble schedule it makes the model's GEMM modules defer their weight gradients (``wgrad_queue``), then keeps
+this rank's stages and prunes the rest (``parallel.parallelize`` calls it in its place among the transforms). The
+runner owns the executor for this rank's action list, the ``WeightGradQueue`` and the replica sums (DualPipe's
+twin stages, tied embeddings), and runs forward-only evaluation through the stages.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def wgrad_queue(model: DeepSeekV3, schedule: Schedule) -> WeightGradQueue | None
     linears and routed experts made to defer their weight GEMMs into it (``apply_deferred_wgrad``), so that
     B computes dx and W runs only the dW GEMMs. None otherwise (1F1B): a deferred module's plain backward
     costs a few % (docs/benchmarks.md). Before ``build_stages`` (the stages hold the modules it replaces)
-    and before ``apply_recompute`` (trainer.startup.build_model keeps the order)."""
+    and before ``apply_recompute`` (``parallel.parallelize`` keeps the order)."""
     if not schedule.splits_backward:
         return None
     queue = WeightGradQueue()
@@ -37,20 +37,31 @@ def wgrad_queue(model: DeepSeekV3, schedule: Schedule) -> WeightGradQueue | None
 
 
 class PipelineRunner:
-    def __init__(self, model: DeepSeekV3, dims: ParallelDims, schedule: str, n_microbatches: int,
-                 layout: list[int] | None = None, device: torch.device | str = "cpu", overlap: bool = True,
-                 wire_dtype: torch.dtype = torch.float32):
-        self.dims, self.cfg = dims, model.cfg
-        self.schedule = get_schedule(schedule, dims.pp, n_microbatches)
-        self.n_stages = self.schedule.n_stages
-        self.wgrad = wgrad_queue(model, self.schedule)   # one per model replica: every executor of it uses it
-        self.stages = build_stages(model, self.schedule, dims.pp_rank, layout)
-        prune_model(model, self.stages)
-        self.replicas = ReplicaSync(model.cfg, self.schedule, dims, layout)
+    def __init__(self, stages: dict, schedule: Schedule, dims: ParallelDims, model_cfg,
+                 wgrad: WeightGradQueue | None = None, layout: list[int] | None = None,
+                 device: torch.device | str = "cpu", overlap: bool = True, wire_dtype: torch.dtype = torch.float32):
+        """``stages``: this rank's (``build_stages``), their GEMM modules already deferring into ``wgrad`` where
+        ``schedule`` splits B and W; ``overlap``: run F&B actions overlapped (``parallelize.fb_overlap``)."""
+        self.dims, self.cfg = dims, model_cfg
+        self.schedule, self.n_stages = schedule, schedule.n_stages
+        self.wgrad, self.stages = wgrad, stages       # one queue per model replica: every executor of it uses it
+        self.replicas = ReplicaSync(model_cfg, schedule, dims, layout)
         self.p2p = PipeChannels(dims)
-        self.device, self._overlap, self.wire_dtype = torch.device(device), overlap, wire_dtype
+        self.device, self.overlap, self.wire_dtype = torch.device(device), overlap, wire_dtype
         self.n_microbatches = None
-        self.set_microbatches(n_microbatches)
+        self.set_microbatches(schedule.n_microbatches)
+
+    @classmethod
+    def from_model(cls, model: DeepSeekV3, dims: ParallelDims, schedule: str, n_microbatches: int,
+                   layout: list[int] | None = None, device: torch.device | str = "cpu", overlap: bool = True,
+                   wire_dtype: torch.dtype = torch.float32) -> "PipelineRunner":
+        """Deferred weight gradients (zero-bubble schedules), then this rank's stages; the rest of ``model`` is
+        pruned."""
+        sched = get_schedule(schedule, dims.pp, n_microbatches)
+        wgrad = wgrad_queue(model, sched)
+        stages = build_stages(model, sched, dims.pp_rank, layout)
+        prune_model(model, stages)
+        return cls(stages, sched, dims, model.cfg, wgrad, layout, device, overlap, wire_dtype)
 
     def set_microbatches(self, n: int) -> None:
         """Use the schedule's action lists for ``n`` micro-batches per step (a batch-size ramp changes it
@@ -59,7 +70,7 @@ class PipelineRunner:
             return
         self.schedule = get_schedule(self.schedule.name, self.dims.pp, n)
         self.executor = PipelineExecutor(self.stages, self.schedule[self.dims.pp_rank], self.p2p, self.n_stages,
-                                         self.cfg.dim, self.device, self._overlap, self.wgrad, self.wire_dtype)
+                                         self.cfg.dim, self.device, self.overlap, self.wgrad, self.wire_dtype)
         self.n_microbatches = n
 
     def forward_backward(self, micro_batches, loss_scale: float, mtp_weight: float, aux_alpha: float) -> torch.Tensor:
@@ -93,9 +104,6 @@ class PipelineRunner:
         r = self.dims.pp_rank
         total = sim.bubble[r] + sim.busy[r]
         return measured, (sim.bubble[r] / total if total > 0 else 0.0)
-
-    def sum_replica_grads(self, model) -> None:
-        self.replicas.sum_grads(model)
 
     def sum_replica_loads(self, named_loads: dict[str, torch.Tensor]) -> None:
         self.replicas.sum_(named_loads)

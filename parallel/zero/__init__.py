@@ -37,7 +37,7 @@ from torch import nn
 from ..data_parallel import all_finite, clip_grad_norm, sync_gradients
 from ..dims import ParallelDims
 from ..state_dict import to_global, to_local
-from .master import WEIGHT_DTYPES, FP32Grads, cast_, weights_for
+from .master import WEIGHT_DTYPES, FP32Grads, cast_
 from .memory import MemoryReport, account
 
 
@@ -170,7 +170,7 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
     ``moment_dtype``: the config's ``optim`` section); ``zero``, ``backend``, ``bucket_mb``: ``parallel.zero``,
     ``parallel.zero_backend``, ``parallel.zero_bucket_mb``. ``grad_weight(name)`` (1 / holders) counts a tensor
     held by several pipeline ranks (DualPipe replicas, tied embeddings) once in the global gradient norm.
-    ``weights`` (``master.weights_for(train.precision)``): ``bf16`` takes the model's FP32 values as the FP32
+    ``weights`` (``Precision.weights``, ``parallel/precision.py``): ``bf16`` takes the model's FP32 values as the FP32
     master and casts the parameters to BF16 (``master.py``); ``fp32`` leaves them FP32, their own master."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
@@ -184,5 +184,5 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
                          bucket_mb=bucket_mb, grad_weight=grad_weight, weights=weights)
 
 
-__all__ = ["build_optimizer", "moment_dtype", "weights_for", "MOMENT_DTYPES", "WEIGHT_DTYPES", "NonFiniteGradients",
+__all__ = ["build_optimizer", "moment_dtype", "MOMENT_DTYPES", "WEIGHT_DTYPES", "NonFiniteGradients",
            "Replicated", "MemoryReport", "account"]

@@ -16,13 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # build_optimizer's ``weights``
-
-
-def weights_for(precision: str) -> str:
-    """``train.precision`` -> the weights' dtype: fp32 keeps FP32 weights that are their own master; bf16
-    and fp8 (whose GEMMs quantise BF16 weights on the fly) keep BF16 weights and an FP32 master."""
-    return "fp32" if precision == "fp32" else "bf16"
+from ..precision import WEIGHT_DTYPES   # build_optimizer's ``weights``: the dtype names Precision.weights gives
 
 
 @torch.no_grad()
