@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets:
             v = verify_local(t)
             if v.ok:
-                print(f"ok       {t}{' (no manifest: sizes only)' if v.legacy else ''}")
+                print(f"ok       {t}")
             else:
                 bad += 1
                 print(f"DAMAGED  {t}: {v.first()}")

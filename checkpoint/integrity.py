@@ -51,9 +51,6 @@ class DamagedCheckpointError(CheckpointError):
         self.path, self.file = path, file
 
 
-TornCheckpointError = DamagedCheckpointError   # the old name
-
-
 class NoGoodCheckpointError(CheckpointError):
     """``checkpoint.resume=auto`` found checkpoints, but none of them verifies."""
 
@@ -80,7 +77,6 @@ class Verdict:
     """Outcome of verifying one checkpoint: ``problems`` are ``(file, what is wrong)``, sorted by file."""
     path: Path
     problems: list[tuple[str, str]]
-    legacy: bool = False        # no manifest.json: written before checksums; sizes checked only
 
     @property
     def ok(self) -> bool:
@@ -160,7 +156,8 @@ def verify_local(path: Path, rank: int = 0, world: int = 1) -> Verdict:
         return Verdict(path, [(".", "is not a directory")])
     mf = path / MANIFEST
     if not mf.exists():
-        return Verdict(path, _structure_problems(path) if rank == 0 else [], legacy=True)
+        return Verdict(path, [(MANIFEST, "is missing: every checkpoint this trainer writes ends with one, so the "
+                                         "save did not finish or the file was removed; its files cannot be verified")])
     try:
         manifest = json.loads(mf.read_text())
         files = {str(k): (int(v["size"]), str(v[HASH])) for k, v in manifest["files"].items()}
@@ -202,7 +199,7 @@ def verify_local(path: Path, rank: int = 0, world: int = 1) -> Verdict:
 
 def merge(verdicts: list[Verdict]) -> Verdict:
     problems = sorted({p for v in verdicts for p in v.problems})
-    return Verdict(verdicts[0].path, problems, legacy=any(v.legacy for v in verdicts))
+    return Verdict(verdicts[0].path, problems)
 
 
 def check_complete(path: Path) -> None:

@@ -22,8 +22,8 @@ dir newest first; damaged ones are skipped with a warning naming the dir and the
 one error listing them all; a damaged explicit ``checkpoint.resume`` path: an error naming the file; all
 are ``ConfigError``s, one line and exit 2 from the CLI). Verification checks
 every listed file's size and sha256 (split over the ranks; all ranks gather the results, so all pick the
-same checkpoint) and that ``.metadata`` unpickles. Checkpoints written before manifests existed are
-accepted with a warning (sizes checked against ``.metadata``; contents not verified).
+same checkpoint) and that ``.metadata`` unpickles; a step dir without ``manifest.json`` is damaged (its files
+cannot be verified).
 
 Tensors are stored under the single-device model's names, so other layouts can load them.
 
@@ -176,7 +176,6 @@ class CheckpointManager:
             v = self.verify(path)
             if not v.ok:
                 raise DamagedCheckpointError(_explicit_message(v), v.path, v.problems[0][0])
-            self._note_legacy(v)
             return path
         plan = None
         if self.rank == 0:
@@ -199,7 +198,6 @@ class CheckpointManager:
                     if named is not None and named != path:
                         _warn(f"checkpoint.resume=auto: resuming from {path} instead of {named.name} named by "
                               f"{self.root / 'latest'}")
-                self._note_legacy(v)
                 if named != path:
                     self._write_latest(path.name, quiet=True)
                 return path
@@ -213,11 +211,6 @@ class CheckpointManager:
             f"checkpoint.resume=auto: {which}: {listing}. "
             f"Restore one from a copy, point checkpoint.resume at a good step dir, or start afresh with "
             f"checkpoint.resume=none or another checkpoint.dir")
-
-    def _note_legacy(self, v: Verdict) -> None:
-        if v.legacy and self.is_writer:
-            _warn(f"checkpoint {v.path} has no {MANIFEST} (written before checkpoints carried checksums): shard "
-                  f"sizes checked against .metadata, contents not verified")
 
     # ---- save / load -------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], files: dict[str, str] | None = None) -> Path:

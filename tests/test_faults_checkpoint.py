@@ -109,8 +109,9 @@ DAMAGE = {   # what is done to step 4 -> (file named in the warning, words in th
     "corrupt manifest": (lambda d: (d / "manifest.json").write_text('{"files": '), "manifest.json", "corrupt"),
     "edited model_config.yaml": (lambda d: (d / "model_config.yaml").write_text(   # same size, same values
         (d / "model_config.yaml").read_text()[:-1] + " "), "model_config.yaml", "sha256"),
+    "no manifest": (lambda d: (d / "manifest.json").unlink(), "manifest.json", "is missing"),
     "no .metadata, no manifest": (lambda d: [(d / f).unlink() for f in (".metadata", "manifest.json")],
-                                  ".metadata", "is missing"),
+                                  "manifest.json", "is missing"),
 }
 
 
@@ -126,8 +127,8 @@ def test_damaged_newest_checkpoint_is_skipped_naming_the_file(tmp_path, base, ca
 
 
 def test_corrupt_metadata_error_names_the_path(tmp_path, base):
-    """With a manifest the checksum catches it; without (an old checkpoint) the unpickling error is
-    reported with the file's path instead of a bare pickle traceback."""
+    """The checksum catches it, and the error names the file (one line), not a bare pickle traceback; without
+    its manifest the checkpoint cannot be verified at all, and the error says that."""
     ck = base.copy(tmp_path / "ck", steps=(4,))
     (ck / sd(4) / ".metadata").write_bytes(b"\x80\x04not a pickle at all")
     with pytest.raises(DamagedCheckpointError, match="checkpoint.resume: .*" + str(ck / sd(4) / ".metadata")):
@@ -136,21 +137,8 @@ def test_corrupt_metadata_error_names_the_path(tmp_path, base):
     with pytest.raises(DamagedCheckpointError) as e:
         base.trainer(tmp_path / "run", ck, f"checkpoint.resume={ck / sd(4)}")
     msg = str(e.value)
-    assert str(ck / sd(4) / ".metadata") + " cannot be read" in msg and "\n" not in msg, msg
+    assert str(ck / sd(4) / "manifest.json") + " is missing" in msg and "\n" not in msg, msg
     assert isinstance(e.value, ConfigError)
-
-
-def test_checkpoint_without_manifest_is_accepted_with_a_warning(tmp_path, base, capsys):
-    """Checkpoints written before manifests: sizes are checked against .metadata, contents cannot be."""
-    ck = base.copy(tmp_path / "ck")
-    for s in (2, 4):
-        (ck / sd(s) / "manifest.json").unlink()
-    t = base.trainer(tmp_path / "run", ck)
-    assert t.resumed_from == ck / sd(4) and t.step == 4
-    assert f"checkpoint {ck / sd(4)} has no manifest.json" in capsys.readouterr().err
-    _truncate(ck / sd(4) / SHARD)   # still caught without a manifest: .metadata says how long it must be
-    assert CheckpointManager(ck).resolve("auto") == ck / sd(2)
-    assert f"{ck / sd(4) / SHARD} has" in capsys.readouterr().err
 
 
 def test_latest_is_honoured_validated_and_repaired(tmp_path, base, capsys):
