@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_suite --out REPORT.md``: the GPU acceptance suite (issue #11, item 5).
+"""``python -m bench.gpu_suite --out REPORT.md``: the GPU acceptance suite.
 
 One command for every GPU session (about 8 minutes on one H100, ``--quick`` about 5). Without CUDA it
 refuses with one line on stderr and exit code 2. With CUDA it runs the parts below in order, writes the

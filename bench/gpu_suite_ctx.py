@@ -14,7 +14,7 @@ from bench.suite_report import Mark
 ROOT = Path(__file__).resolve().parents[1]
 PART_KEYS = ("engines", "kernels", "quant", "gemm", "grouped", "trainer", "step")
 
-# Thresholds of the targets (H100, baselines measured in the same run).
+# Thresholds of the targets (H100, baselines measured in the same run).
 DENSE_MIN = 1.50      # dense FP8 GEMM (auto) vs torch BF16 at large shapes
 DENSE_VS_TORCH_MIN = 0.97   # dense FP8 GEMM (auto) vs torch's blockwise scaled_mm, every shape: never slower than the best
 GROUPED_MIN = 1.20    # grouped FP8 forward vs torch._grouped_mm BF16

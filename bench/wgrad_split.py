@@ -12,7 +12,7 @@ then one backward variant, round-robin so that a shared machine's load drifts ov
 - ``old B``, ``old W``  today's split: ``inputs=[x], retain_graph=True``, then ``inputs=params`` (re-traversal);
 - ``dW GEMMs`` the queued closures alone (no accumulation): what W cannot do without.
 
-Acceptance (issue #13): ``(B + W) / full <= 1.10`` and W close to the dW GEMMs. Each part is timed on
+The target: ``(B + W) / full <= 1.10`` and W close to the dW GEMMs. Each part is timed on
 the wall clock and on this thread's CPU clock (``time.thread_time``; with ``--threads 1`` all compute is on
 this thread): on a shared machine the CPU clock does not count the time other jobs held the core.
 """

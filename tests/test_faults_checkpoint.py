@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue #12 item 4): manifest + sha256 verified on load, damaged checkpoints skipped
+"""Checkpoint integrity: manifest + sha256 verified on load, damaged checkpoints skipped
 (auto) or refused (explicit path) naming the file, `latest` honoured, an unwritable checkpoint.dir caught at
 start-up, a full disk leaving earlier checkpoints intact, no checkpoint with inf/nan, safe pruning."""
 import errno

@@ -1,4 +1,4 @@
-"""Resume hygiene (issue #12 item 5): a resumed run cuts metrics.jsonl / eval.jsonl back to its checkpoint's step
+"""Resume hygiene: a resumed run cuts metrics.jsonl / eval.jsonl back to its checkpoint's step
 (one line per step), continues the same W&B run (the id is kept in every checkpoint), and the metrics files are
 strict JSON (non-finite numbers as null)."""
 import json

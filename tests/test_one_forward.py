@@ -1,4 +1,4 @@
-"""One forward (issue #13): the model's forward is written once, in ``models/``, as steps cut at the
+"""One forward: the model's forward is written once, in ``models/``, as steps cut at the
 dispatcher's boundaries; ``parallel/`` only drives it.
 
 - No module under ``parallel/`` contains model logic: it calls none of the model's submodules by name

@@ -12,9 +12,7 @@ Arguments are Hydra overrides (as for ``tools.size``) plus the options below. Pi
 schedule (``parallel.pipeline.schedules``) run through ``parallel.pipeline.simulator.simulate`` with
 per-stage action costs from ``tools.plan_costs.action_costs`` (the cost model is in that module's doc);
 the step is the simulated makespan plus the step end (ZeRO reduce-scatter / all-gather and the optimizer,
-``tools.plan_costs.step_end``). Memory is ``trainer.memory_plan.plan_memory``. A profile with ``cores`` (CPU)
-adds processor sharing: with more ranks than cores, each compute action is slowed by the ranks computing
-during it over the cores (``tools.plan_costs.sharing``), iterated to a fixed point. A profile with ``action_cv`` varies each
+``tools.plan_costs.step_end``). Memory is ``trainer.memory_plan.plan_memory``. A profile with ``action_cv`` varies each
 action's time at random (seeded) and takes the median of several simulations: ranks wait for late peers.
 """
 from __future__ import annotations
@@ -31,11 +29,10 @@ from configs.schema import compose
 from data import micro_batches
 from models.moe import GroupedExperts
 from models.params import flops_per_token
-from parallel.parallelize import fb_overlap
 from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
-from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, for_world, load_hardware,
+from tools.plan_costs import (EPTraffic, Hardware, StageCost, StageCosts, action_costs, load_hardware,
                               simulate_layout, step_end)
 from tools.schedule import draw
 from trainer.activations import V3_RECIPE
@@ -78,12 +75,10 @@ def _rank0_phases(sim: Simulation, costs: StageCosts) -> tuple[dict, float]:
     return phases, exposed
 
 
-def _single_stage(c: StageCost, hw: Hardware, world_size: int, n_micro: int) -> tuple[float, float, dict]:
+def _single_stage(c: StageCost, n_micro: int) -> tuple[float, float, dict]:
     """pp 1: (step compute, exposed all-to-all, phases) of ``n_micro`` micro-batches back to back."""
-    scale = max(1.0, world_size / hw.cores) if hw.cores else 1.0
-    per_mb = scale * (c.f + c.b + c.w) + c.a2a_f + c.a2a_b
-    phases = {"F": n_micro * scale * c.f, "B": n_micro * (scale * c.b + c.a2a_b), "W": n_micro * scale * c.w,
-              "F&B": 0.0}
+    per_mb = c.f + c.b + c.w + c.a2a_f + c.a2a_b
+    phases = {"F": n_micro * c.f, "B": n_micro * (c.b + c.a2a_b), "W": n_micro * c.w, "F&B": 0.0}
     return n_micro * per_mb, n_micro * (c.a2a_f + c.a2a_b), phases
 
 
@@ -92,22 +87,20 @@ def predict(cfg, hw: Hardware, world_size: int, precision: str = "fp8", recomput
     """Predicted step of ``cfg``'s layout on ``world_size`` ranks of ``hw`` (module doc)."""
     p, t = cfg.parallel, cfg.train
     dims = check_layout(cfg, world_size)
-    hw = for_world(hw, world_size)
     model = model if model is not None else models.build(cfg.model, "meta")
     stage_costs, _, traffic, p2p = action_costs(cfg, hw, model_parts(model), precision, recompute)
     n_micro = max(1, micro_batches(t.global_batch_size, t.micro_batch_size, dims.dp))
-    overlap = fb_overlap(p.overlap, p.ep) or not hw.measured   # GPU plans assume the overlapped F&B; CPU runs follow the trainer
+    overlap = True   # DeepSeek's F&B overlap: the plans are for layouts whose all-to-alls cross nodes
     if p.pp > 1:
         sim, sc, notes = simulate_layout(cfg, hw, world_size, n_micro, StageCosts(stage_costs, p2p, overlap))
         pipeline, bubble = sim.makespan, sim.bubble[0]
         phases, exposed = _rank0_phases(sim, sc)
     else:
         sim, notes, bubble = None, [], 0.0
-        pipeline, exposed, phases = _single_stage(stage_costs[0], hw, world_size, n_micro)
+        pipeline, exposed, phases = _single_stage(stage_costs[0], n_micro)
     # v3: an itemized estimate of what DeepSeek-V3's recipe (partial recompute, FP8-cached activations) keeps
     # (trainer.activations.v3_recipe_bytes); none and full are this trainer's train.recompute modes
-    mem = plan_memory(cfg, world_size, "v3" if not hw.measured else "trainer",
-                      V3_RECIPE if recompute == "v3" else recompute, model=model)
+    mem = plan_memory(cfg, world_size, "v3", V3_RECIPE if recompute == "v3" else recompute, model=model)
     end = step_end(cfg, hw, mem, dims, replicated_params(cfg, n_micro, model))
     step = pipeline + end
     tokens = t.global_batch_size * cfg.data.seq_len

@@ -27,21 +27,12 @@ less than the two all-to-alls back to back. Pipeline p2p: T x D x 2 bytes over t
 Step end: ZeRO-1/2 reduce-scatter of the gradients (BF16) and all-gather of the weights (BF16) over
 dp (dense) and edp (experts), ring cost (n-1)/n x bytes / ib; ZeRO-0 an all-reduce of the same bytes;
 the AdamW update reads and writes 24 bytes per owned parameter at HBM bandwidth.
-A measured profile (CPU, ``bench/plan_calibrate.py``) replaces FLOPs/peak by seconds per token of each
-component (embedding, dense layer, MoE layer, head + MTP); its p2p carries fp32 activations (4 bytes); an
-all-to-all call adds its measured host work to the compute (``a2a_host_us``: the dispatcher's sorting and the
-backend's copies, on the same cores; never hidden) and its measured waiting as the latency; its step end is
-this trainer's: the non-finite check and the optimizer at their measured seconds per parameter (shared like
-compute when ranks outnumber cores), the FP32 all-reduce of the parameters two pipeline ranks hold, FP32
-gradient reductions over dp, and the step's small all-reduces at the link's latency. When a layout has more
-ranks than the profile has cores, its ``oversubscribed`` link and all-to-all numbers (measured with that many
-processes: a collective waits for peers the OS has descheduled) replace the 2-process ones (``for_world``).
 """
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -74,16 +65,9 @@ class Hardware:
     sms: int = 132
     reserved_sms: int = 0
     a2a_latency_us: float = 0.0         # per all-to-all call, waiting: F&B overlap can hide it
-    a2a_host_us: float = 0.0            # per all-to-all call, host work on the compute cores (measured CPU
-                                        # profiles: the dispatcher's sorting and gathering, the backend's copies)
     p2p_latency_us: float = 0.0
-    cores: int = 0                      # measured CPU profiles: cores the ranks share (0: one device per rank)
     action_cv: float = 0.0              # an action's time from one micro-batch to the next: coefficient of
-                                        # variation (measured profiles: the calibration's repeats; 0: constant)
-    measured: dict | None = None        # seconds per token of each component: {component: {f, b, w}}
-    optimizer_s_per_param: float = 0.0  # measured profiles: non-finite check + optimizer step, per owned parameter
-    oversubscribed: dict | None = None  # measured profiles: OVERSUBSCRIBED fields measured with more processes than
-                                        # cores, for layouts with more ranks than cores (``for_world``)
+                                        # variation (0: constant)
     sources: list[str] = field(default_factory=list)
 
 
@@ -98,21 +82,7 @@ def load_hardware(name: str) -> Hardware:
     extra = set(data) - allowed
     if extra:
         raise ValueError(f"{path}: unknown keys {sorted(extra)} (allowed: {sorted(allowed)})")
-    bad = set(data.get("oversubscribed") or {}) - set(OVERSUBSCRIBED)
-    if bad:
-        raise ValueError(f"{path}: oversubscribed: unknown keys {sorted(bad)} (allowed: {list(OVERSUBSCRIBED)})")
     return Hardware(**data)
-
-
-OVERSUBSCRIBED = ("a2a_latency_us", "a2a_host_us", "p2p_latency_us", "ib_gb_s", "nvlink_gb_s")
-
-
-def for_world(hw: Hardware, world_size: int) -> Hardware:
-    """The profile a layout of ``world_size`` ranks runs on: a measured profile's ``oversubscribed`` link and
-    all-to-all numbers when the ranks outnumber its cores, else ``hw`` itself."""
-    if hw.oversubscribed and hw.cores and world_size > hw.cores:
-        return replace(hw, **hw.oversubscribed)
-    return hw
 
 
 # ---- work per stage --------------------------------------------------------------------------------
@@ -126,7 +96,6 @@ class StageWork:
     recompute: float       # GEMMs run again in B under --recompute v3
     moe_layers: int        # MoE blocks (MTP's included): expert all-to-alls per direction
     act_bytes: float       # saved-for-backward bytes (trainer.activations.activation_bytes_per_token, bf16)
-    components: dict       # component -> count, for measured profiles (embed, dense_layer, moe_layer, head)
 
     @property
     def forward(self) -> float:
@@ -141,11 +110,9 @@ def stage_work(m, parts, layers, first: bool, last: bool, seq_len: int) -> Stage
     up_proj = (m.q_lora_rank or m.dim) * m.n_heads * m.qk_head_dim + m.kv_lora_rank * m.n_heads * (
         m.qk_nope_head_dim + m.v_head_dim)
     gemm = sum(2 * (parts.layer_dense[i] + parts.layer_expert[i] * frac) for i in layers)
-    comps = {"embed": int(first), "dense_layer": sum(not m.is_moe_layer(i) for i in layers),
-             "moe_layer": sum(m.is_moe_layer(i) for i in layers), "head": int(last)}
     acts = sum(act["moe_layer" if m.is_moe_layer(i) else "dense_layer"] for i in layers)
     w = StageWork(list(layers), gemm, 0.0, attn_layer * len(layers), 2 * up_proj * len(layers),
-                  comps["moe_layer"], acts, comps)
+                  sum(m.is_moe_layer(i) for i in layers), acts)
     if last:
         head_weight = m.vocab_size * m.dim
         w.gemm_bf16 = 2 * parts.head + 2 * m.mtp_depth * head_weight
@@ -222,8 +189,8 @@ class StageCost:
 
 class StageCosts:
     """Per-stage costs for ``parallel.pipeline.simulator.simulate`` (which calls ``of(action)`` and reads
-    ``p2p``); the overlap rules of the module doc. ``scale`` slows compute per action (``id(action)`` -> factor;
-    processor sharing on CPU, ``tools.plan``)."""
+    ``p2p``); the overlap rules of the module doc. ``scale`` varies compute per action (``id(action)`` -> factor;
+    ``Hardware.action_cv``)."""
 
     def __init__(self, stages: list[StageCost], p2p: float, overlap: bool, scale: dict[int, float] | None = None):
         self.stages, self.p2p, self.overlap, self.scale = stages, p2p, overlap, scale or {}
@@ -252,12 +219,6 @@ class StageCosts:
 
     def of(self, a) -> float:
         return sum(self.split(a))
-
-
-def measured_seconds(w: StageWork, T: int, hw: Hardware) -> tuple[float, float, float]:
-    """F, B, W seconds of a micro-batch of ``T`` tokens from a measured profile's per-token component costs."""
-    per = {k: sum(n * hw.measured[c][k] for c, n in w.components.items()) for k in ("f", "b", "w")}
-    return per["f"] * T, per["b"] * T, per["w"] * T
 
 
 def gpu_seconds(w: StageWork, T: int, hw: Hardware, precision: str, recompute: str, reserve_sms: bool
@@ -294,70 +255,45 @@ def action_costs(cfg, hw: Hardware, parts, precision: str = "fp8", recompute: st
     a2a_f, a2a_b = a2a_seconds(traffic, hw, "fwd"), a2a_seconds(traffic, hw, "bwd")
     costs = []
     for w in works:
-        f, b, wg = (measured_seconds(w, T, hw) if hw.measured
-                    else gpu_seconds(w, T, hw, precision, recompute, p.ep > 1))
-        host = traffic.calls * hw.a2a_host_us * 1e-6 * w.moe_layers   # per direction: compute, never hidden
-        costs.append(StageCost(f + host, b + host, wg, a2a_f * w.moe_layers, a2a_b * w.moe_layers))
-    act_bytes = 4 if hw.measured else 2
-    p2p = hw.p2p_latency_us * 1e-6 + T * m.dim * act_bytes / (hw.ib_gb_s * GB)
+        f, b, wg = gpu_seconds(w, T, hw, precision, recompute, p.ep > 1)
+        costs.append(StageCost(f, b, wg, a2a_f * w.moe_layers, a2a_b * w.moe_layers))
+    p2p = hw.p2p_latency_us * 1e-6 + T * m.dim * 2 / (hw.ib_gb_s * GB)
     return costs, works, traffic, p2p
-
-
-STEP_COLLECTIVES = 6   # the trainer's small all-reduces per step: loss sums, non-finite check, gradient norm,
-                       # expert loads, metrics, memory peaks (trainer/train.py)
 
 
 def step_end(cfg, hw: Hardware, mem_plan, dims, replicated: dict[int, int] | None = None) -> float:
     """ZeRO reduce-scatter + all-gather (or all-reduce) over dp/edp on the worst rank, plus the all-reduce that
     sums the gradients of the parameters two pipeline ranks hold (``replicated``: per pp rank; DualPipe's twin
     stages, a tied embedding: the twin is another pipeline rank, so another node), plus AdamW. Gradients travel
-    in BF16 on a GPU profile (DeepSeek's), in FP32 on a measured one (this trainer's CPU runs). A measured (CPU)
-    profile models this trainer's step end instead of DeepSeek's: the optimizer step at its measured seconds per
-    parameter and the step's small all-reduces at the profile's latency."""
+    in BF16 (DeepSeek's recipe)."""
     worst = 0.0
     for r in mem_plan.ranks:
         dense, expert = r.params_dense, r.params_expert
         ring = lambda n, nbytes: 0.0 if n == 1 else (n - 1) / n * nbytes / (hw.ib_gb_s * GB)  # noqa: E731
-        grad_bytes = 4 if hw.measured else 2   # this trainer's CPU runs reduce FP32 gradients; DeepSeek BF16
+        grad_bytes = 2
         comm = 2 * (ring(dims.dp, grad_bytes * dense) + ring(dims.edp, grad_bytes * expert))   # RS + AG, or one AR
         owned = (dense / dims.dp + expert / dims.edp) if cfg.parallel.zero >= 1 else dense + expert
         twins = (replicated or {}).get(r.pp_rank, 0)
         sync = 2 * ring(2, grad_bytes * twins) + hw.p2p_latency_us * 1e-6 if twins else 0.0
-        if hw.measured:
-            # every rank runs its step end at once (the collectives line them up): ranks beyond the cores share them
-            sharing = max(1.0, dims.world_size / hw.cores) if hw.cores else 1.0
-            update = sharing * hw.optimizer_s_per_param * owned + sync + STEP_COLLECTIVES * hw.p2p_latency_us * 1e-6
-        else:
-            update = 24 * owned / (hw.hbm_tb_s * 1e12) + sync
+        update = 24 * owned / (hw.hbm_tb_s * 1e12) + sync
         worst = max(worst, comm + update)
     return worst
 
 
-# ---- the schedule on these costs: processor sharing, varying actions ----------------------------------------
+# ---- the schedule on these costs, with varying actions -----------------------------------------------------
 VARIATION_SAMPLES = 16   # simulations with random action times (``Hardware.action_cv``) whose median step is taken
 
 
 def simulate_layout(cfg, hw: Hardware, world_size: int, n_micro: int, costs: StageCosts
                        ) -> tuple[Simulation, StageCosts, list[str]]:
-    """The schedule simulated with ``costs``; on a CPU profile with fewer cores than ranks, processor sharing:
-    each compute action slowed by the ranks computing beside it (``sharing``), iterated to a fixed point. With
-    ``hw.action_cv``, each action's time also varies at random around its cost, as measured actions do, and the
-    simulation with the median makespan of ``VARIATION_SAMPLES`` (seeded: the prediction is reproducible) is
-    the one returned: a rank that waits for a late peer loses time an even schedule does not show. The costs
-    returned carry the slowdowns."""
+    """The schedule simulated with ``costs``. With ``hw.action_cv``, each action's time varies at random around its
+    cost and the simulation with the median makespan of ``VARIATION_SAMPLES`` (seeded: the prediction is
+    reproducible) is the one returned: a rank that waits for a late peer loses time an even schedule does not
+    show. The costs returned carry the variation."""
     p = cfg.parallel
     schedule = get_schedule(p.schedule, p.pp, n_micro)
     sim = simulate(schedule, costs)
     notes = []
-    if hw.cores and world_size > hw.cores:
-        for _ in range(12):
-            new = sharing(sim, world_size // p.pp, hw.cores)
-            scale = {a: (costs.scale.get(a, 1.0) + k) / 2 for a, k in new.items()}   # damped: the slowdowns interact
-            costs = StageCosts(costs.stages, costs.p2p, costs.overlap, scale)
-            sim = simulate(schedule, costs)
-        ks = sorted(costs.scale.values())
-        notes.append(f"{world_size} ranks on {hw.cores} cores: compute actions slowed x{ks[0]:.2f}-x{ks[-1]:.2f} "
-                     f"(median x{ks[len(ks) // 2]:.2f}) by the ranks computing beside them")
     if hw.action_cv > 0:
         even = sim.makespan
         runs = []
@@ -372,15 +308,3 @@ def simulate_layout(cfg, hw: Hardware, world_size: int, n_micro: int, costs: Sta
         notes.append(f"action times varying by {hw.action_cv:.0%} (coefficient of variation): pipeline "
                      f"{1e3 * even:.1f} -> {1e3 * sim.makespan:.1f} ms (median of {VARIATION_SAMPLES})")
     return sim, costs, notes
-
-
-def sharing(sim: Simulation, per_pp_rank: int, cores: int) -> dict[int, float]:
-    """Processor sharing: per compute action (by ``id``), the factor its compute is slowed by: the ranks computing
-    on average during it (itself included; each pipeline rank stands for ``per_pp_rank`` processes of the same
-    timeline, its dp/ep peers) over the cores, at least 1."""
-    spans = [s for rank in sim.spans for s in rank if s.action.is_compute and s.end > s.start]
-    out = {}
-    for s in spans:
-        overlap = sum(max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in spans)
-        out[id(s.action)] = max(1.0, overlap / (s.end - s.start) * per_pp_rank / cores)
-    return out

@@ -79,7 +79,7 @@ def gemm_rates(report: dict, path: str = "report") -> dict[str, list[float]]:
 
 def calibrate(hw: Hardware, report: dict, path: str = "report") -> tuple[Hardware, list[str]]:
     """``hw`` with its GEMM efficiencies from the report (module doc); returns it and one line per change."""
-    if not (hw.peak_fp8_tflops and hw.peak_bf16_tflops) or hw.measured:
+    if not (hw.peak_fp8_tflops and hw.peak_bf16_tflops):
         raise ReportError(f"{path}: profile {hw.name!r} has no FP8 and BF16 peaks to scale GEMM rates by (a GPU profile, "
                           f"such as h100, is needed)")
     rates = gemm_rates(report, path)
