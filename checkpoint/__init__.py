@@ -8,8 +8,8 @@ The public API, used by ``trainer/`` and ``tools/``; everything else is private 
 from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError,
                         NoGoodCheckpointError, NonFiniteStateError, first_nonfinite, has_state, step_dir_name,
                         verify_local)
-from .manager import CheckpointManager
+from .manager import CheckpointManager, write_manifest
 
 __all__ = ["CheckpointManager", "CheckpointError", "CheckpointDirError", "CheckpointWriteError",
            "DamagedCheckpointError", "NoGoodCheckpointError", "NonFiniteStateError", "first_nonfinite", "has_state",
-           "step_dir_name", "verify_local"]
+           "step_dir_name", "verify_local", "write_manifest"]

@@ -55,6 +55,24 @@ from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteErro
 
 
 # ---- the manager -------------------------------------------------------------------------------------
+def write_manifest(path: Path, step: int, digests: dict[str, tuple[int, str]] | None = None) -> None:
+    """Write ``path``'s ``manifest.json`` (size and sha256 of every other file in it; ``digests``: those already
+    hashed) and fsync the dir: the last file of a checkpoint, after which it verifies."""
+    digests = digests or {}
+    entries = {}
+    for p in sorted(Path(path).iterdir()):
+        if p.name == MANIFEST or not p.is_file():
+            continue
+        size, digest = digests[p.name] if p.name in digests else file_digest(p)
+        if size != p.stat().st_size:
+            raise DamagedCheckpointError(f"{p} changed size while being saved", Path(path), p.name)
+        entries[p.name] = {"size": size, HASH: digest}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "algorithm": HASH,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": entries}
+    _write_synced(Path(path) / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    _fsync_dir(Path(path))
+
+
 class CheckpointManager:
     def __init__(self, root: str | os.PathLike, keep: int = 3, is_writer: bool = True,
                  rank: int | None = None, world_size: int | None = None):
@@ -282,18 +300,7 @@ class CheckpointManager:
         if problems:
             v = Verdict(tmp, problems)
             raise DamagedCheckpointError(f"the written checkpoint does not verify: {v.first()}", tmp, problems[0][0])
-        entries = {}
-        for p in sorted(tmp.iterdir()):
-            if p.name == MANIFEST or not p.is_file():
-                continue
-            size, digest = digests[p.name] if p.name in digests else file_digest(p)
-            if size != p.stat().st_size:
-                raise DamagedCheckpointError(f"{p} changed size while being saved", tmp, p.name)
-            entries[p.name] = {"size": size, HASH: digest}
-        manifest = {"format": MANIFEST_FORMAT, "step": step, "algorithm": HASH,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": entries}
-        _write_synced(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-        _fsync_dir(tmp)
+        write_manifest(tmp, step, digests)
         if final.exists():                       # re-saving a step: swap the old one out first
             old = self.root / f".tmp-old-{final.name}-{os.getpid()}"
             os.rename(final, old)

@@ -278,8 +278,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     check_sections(cfg)
     t, p, o = cfg.train, cfg.parallel, cfg.optim
     from parallel.dims import validate_layout
+    from parallel.precision import Precision
     validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero,
-                    zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule)
+                    zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule,
+                    weights=Precision(t.precision).weights)
     dp = world_size // p.pp
     from data.ramp import micro_batches, ramp_sizes
     for gbs in ramp_sizes(t):   # the ramp's sizes first: each must fit the layout as the final one does

@@ -22,10 +22,11 @@ from models.config import ModelConfig
 
 def validate_layout(world_size: int, pp: int = 1, ep: int = 1, ranks_per_node: int = 1, *,
                     model: ModelConfig | None = None, zero: int | None = None, zero_backend: str | None = None,
-                    moment_dtype: str | None = None, schedule: str | None = None) -> None:
+                    moment_dtype: str | None = None, schedule: str | None = None, weights: str = "fp32") -> None:
     """The layout checks, in one place for config validation, ``ParallelDims``, ``tools.size`` and the
     DeepSpeed backend: the sizes against the world size, then what is given: the model against EP, the
-    ZeRO stage (and what ``zero_backend`` and ``moment_dtype`` allow), the schedule's name and pp.
+    ZeRO stage (and what ``zero_backend``, ``moment_dtype`` and the weights' dtype ``weights``,
+    ``Precision.weights``, allow), the schedule's name and pp.
     Raises a one-line ``ConfigError`` naming the key."""
     if pp < 1 or ep < 1 or ranks_per_node < 1:
         raise ConfigError(f"parallel.pp ({pp}), parallel.ep ({ep}) and parallel.ranks_per_node ({ranks_per_node}) "
@@ -42,7 +43,7 @@ def validate_layout(world_size: int, pp: int = 1, ep: int = 1, ranks_per_node: i
     if model is not None:
         _check_model(model, ep, ranks_per_node)
     if zero is not None:
-        _check_zero(zero, zero_backend, moment_dtype, world_size, pp)
+        _check_zero(zero, zero_backend, moment_dtype, world_size, pp, weights)
     if schedule is not None:
         _check_schedule(schedule, pp)
 
@@ -76,8 +77,9 @@ def _check_schedule(schedule: str, pp: int) -> None:
                           f"({', '.join(SCHEDULES)}) and pp = 1 needs schedule={NO_PIPELINE}")
 
 
-def _check_zero(zero: int, backend: str | None, moment_dtype: str | None, world_size: int, pp: int) -> None:
-    """The ZeRO stage, and what its backend and the AdamW moment dtype allow."""
+def _check_zero(zero: int, backend: str | None, moment_dtype: str | None, world_size: int, pp: int,
+                weights: str = "fp32") -> None:
+    """The ZeRO stage, and what its backend, the AdamW moment dtype and the weights' dtype allow."""
     if zero not in (0, 1, 2):
         raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {zero}")
     if moment_dtype == "bf16" and zero == 0:
@@ -96,6 +98,10 @@ def _check_zero(zero: int, backend: str | None, moment_dtype: str | None, world_
     if moment_dtype == "bf16":
         raise ConfigError("optim.moment_dtype=bf16 with parallel.zero_backend=deepspeed: DeepSpeed's ZeRO-1/2 "
                           "keeps the wrapped AdamW's moments in fp32; use fp32 (or auto) or zero_backend=native")
+    if weights != "fp32":
+        raise ConfigError(f"train.precision: {weights} weights (train.precision=bf16|fp8) are not supported with "
+                          "parallel.zero_backend=deepspeed; use parallel.zero_backend=native (BF16 weights, FP32 "
+                          "master) or train.precision=fp32")
 
 
 @dataclass

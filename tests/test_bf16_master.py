@@ -194,8 +194,13 @@ def test_nan_micro_batch_skips_the_step_and_leaves_the_master(tmp_path, cache, z
 
 
 def test_deepspeed_with_bf16_weights_is_refused():
+    """At config validation, before anything is built (and by the backend, called directly)."""
+    from configs.schema import compose, validate
     from errors import ConfigError
     from parallel.zero.deepspeed_backend import DeepSpeedZero
+    cfg = compose(["+exp=tiny", "train.precision=fp8", "parallel.zero=1", "parallel.zero_backend=deepspeed"])
+    with pytest.raises(ConfigError, match="train.precision: bf16 weights .*parallel.zero_backend=deepspeed"):
+        validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="train.precision.*parallel.zero_backend=deepspeed"):
         DeepSpeedZero(nn.Linear(2, 2), _optim(), ParallelDims(world_size=2, rank=0), weights="bf16")
 

@@ -18,8 +18,9 @@ D, B, T, N_MB = 8, 8, 4, 8
 
 
 class ToyStage(nn.Module):
-    """Duck-types ``parallel.pipeline.stages.Stage`` for the executor: first stage reads the float
-    input in place of token ids, the last stage returns the MSE loss against the labels."""
+    """What the executor needs of a ``parallel.pipeline.stages.Stage``: ``steps`` (here one piece, no cuts, no
+    balance losses); the first stage reads the float input in place of token ids, the last stage returns the MSE
+    loss against the labels."""
 
     def __init__(self, layer: nn.Module, stage: int, n_stages: int):
         super().__init__()
@@ -33,8 +34,10 @@ class ToyStage(nn.Module):
         loss = ((h - labels) ** 2).mean()
         return loss, (loss.detach(), torch.zeros(()))
 
-    def aux_loss(self, aux_alpha):
-        return None
+    def steps(self, x, inputs, labels, mtp_weight=0.0):
+        out, parts = self(x, inputs, labels, mtp_weight)
+        return out, parts, None
+        yield                                          # a generator without cuts
 
 
 def _worker(rank, world):

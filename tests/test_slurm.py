@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.slurm import local_cluster as lc
+from . import local_cluster as lc
 from tools.slurm.job_watch import _task_ids
 from trainer.metrics import RUN_ID_FILE
 from trainer.wandb_log import read_offline_run

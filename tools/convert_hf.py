@@ -34,9 +34,12 @@ _DCP_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 def save_model_checkpoint(model, ckpt_dir) -> Path:
-    """Write ``model_config.yaml`` + a DCP checkpoint of ``{"model": model.state_dict()}`` to ``ckpt_dir``."""
+    """Write ``model_config.yaml`` + a DCP checkpoint of ``{"model": model.state_dict()}`` to ``ckpt_dir``, and its
+    manifest last (what ``checkpoint.init_from`` and ``checkpoint.resume`` verify)."""
     import torch.distributed.checkpoint as dcp
     import yaml
+
+    from checkpoint import write_manifest
 
     out = Path(ckpt_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,6 +47,7 @@ def save_model_checkpoint(model, ckpt_dir) -> Path:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DCP_ONE_PROCESS)
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(out))
+    write_manifest(out, 0)
     return out
 
 

@@ -216,12 +216,8 @@ class PipelineExecutor:
 
 
 def _stage_steps(st, x, ids: torch.Tensor, labels: torch.Tensor, mtp_weight: float):
-    """``st.steps`` (``Stage``: its part of the model, as steps); another stage module (duck-typed, e.g. in
-    tests) runs as one piece without balance losses. Returns ``(out, parts, aux)``."""
-    if hasattr(st, "steps"):
-        return (yield from st.steps(x, ids, labels, mtp_weight))
-    out, parts = st(x, ids, labels, mtp_weight)
-    return out, parts, None
+    """``st.steps``: the stage's part of the model, as steps; returns ``(out, parts, aux)``."""
+    return (yield from st.steps(x, ids, labels, mtp_weight))
 
 
 class _Clock:

@@ -26,8 +26,8 @@ What it does
   format of the other backends, so DCP checkpoints move between ``deepspeed``, ``native`` and
   ``zero=0``. DeepSpeed's own checkpoint files are not used.
 
-Not supported: BF16 weights (``train.precision=bf16|fp8``: a ConfigError naming the key; the native
-backend keeps BF16 weights with an FP32 master), BF16 moments (DeepSpeed ZeRO-1/2 keeps the wrapped optimizer's moments in fp32; config
+Not supported: BF16 weights (``train.precision=bf16|fp8``: config validation refuses it, naming the key; the
+native backend keeps BF16 weights with an FP32 master), BF16 moments (DeepSpeed ZeRO-1/2 keeps the wrapped optimizer's moments in fp32; config
 validation rejects ``optim.moment_dtype=bf16``), pipeline parallelism (``parallel.pp > 1``, rejected by
 config validation), one process (DeepSpeed needs ``torch.distributed``: launch with torchrun and
 dp >= 2), DeepSpeed's fp16 loss scaling, CPU/NVMe offload and ZeRO-3.
@@ -73,11 +73,8 @@ def _import_deepspeed():
 class DeepSpeedZero:
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, stage: int = 1, bucket_mb: float = 32.0,
                  weights: str = "fp32"):
-        if weights != "fp32":
-            raise ConfigError(f"train.precision: {weights} weights (train.precision=bf16|fp8) are not supported with "
-                              "parallel.zero_backend=deepspeed; use parallel.zero_backend=native (BF16 weights, FP32 "
-                              "master) or train.precision=fp32")
-        validate_layout(dims.world_size, dims.pp, dims.ep, dims.ranks_per_node, zero=stage, zero_backend="deepspeed")
+        validate_layout(dims.world_size, dims.pp, dims.ep, dims.ranks_per_node, zero=stage, zero_backend="deepspeed",
+                        weights=weights)
         if not dist.is_initialized():
             raise ConfigError("parallel.zero_backend=deepspeed needs torch.distributed (launch with torchrun "
                               "--nproc_per_node >= 2); for one process use parallel.zero_backend=native or "

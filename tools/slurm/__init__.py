@@ -1,2 +1,2 @@
 """SLURM launch: ``train.sbatch`` (sbatch script), ``hydra_env`` (Hydra callback for submitit jobs),
-``local_cluster`` (a one-node loopback cluster for trying them and for CI). Guide: ``docs/operations.md``."""
+a one-node loopback cluster for trying them lives with the tests (``tests/local_cluster.py``). Guide: ``docs/operations.md``."""

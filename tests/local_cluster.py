@@ -1,7 +1,7 @@
 """A one-node SLURM cluster on loopback, for trying the launch scripts and for CI.
 
-    python -m tools.slurm.local_cluster up [--dir DIR]    # start; prints `export SLURM_CONF=...`
-    python -m tools.slurm.local_cluster down [--dir DIR]  # cancel jobs, stop the daemons it started
+    python -m tests.local_cluster up [--dir DIR]    # start; prints `export SLURM_CONF=...`
+    python -m tests.local_cluster down [--dir DIR]  # cancel jobs, stop the daemons it started
 
 Needs Debian's ``slurmctld slurmd slurm-client munge`` (``install()`` runs apt-get for them) and root.
 Nothing goes to ``/etc``: ``slurm.conf``, spool dirs, logs and PID files live in one directory, and the
@@ -350,7 +350,7 @@ def _kill(pid: int, grace_s: float, proc: subprocess.Popen | None = None) -> Non
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.slurm.local_cluster", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.local_cluster", description=__doc__.split("\n")[0])
     ap.add_argument("action", choices=("up", "down", "install"))
     ap.add_argument("--dir", default="/tmp/dsv3-slurm", help="config, spool and logs (default %(default)s)")
     a = ap.parse_args(argv)
@@ -366,7 +366,7 @@ def main(argv: list[str]) -> int:
     cluster.start()
     # Keep the daemons when this process exits: they were started with PDEATHSIG, so we wait here.
     print(f"cluster up; in another shell: export SLURM_CONF={cluster.conf}\n"
-          f"stop with Ctrl-C or `python -m tools.slurm.local_cluster down --dir {a.dir}`", flush=True)
+          f"stop with Ctrl-C or `python -m tests.local_cluster down --dir {a.dir}`", flush=True)
     try:
         while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(1)
