@@ -1,0 +1,104 @@
+"""The CPU-side roofline of a training step (``tools/roofline.py``): exact counts on a case computed by hand, and
+the v3_small step against the H100 measurements it must reproduce."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from configs.schema import compose
+from tools import roofline
+from tools.roofline import Recorder, as_on_cuda, record_step, totals
+
+M, K, N = 256, 384, 512
+F32 = 4
+
+
+def by_op(rec: Recorder, phase: str) -> dict:
+    return {op: s for (ph, _, op), s in rec.stats.items() if ph == phase and s.launches}
+
+
+def test_linear_cross_entropy_adamw_by_hand():
+    """y = x·Wᵀ (x [M,K] without gradient, W [N,K] FP32), cross-entropy over N classes, AdamW (foreach)."""
+    rec = Recorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w = torch.nn.Parameter(torch.empty(N, K))
+        x, y = torch.empty(M, K), torch.randint(0, N, (M,))
+        opt = torch.optim.AdamW([w], lr=1e-3)
+        with rec, as_on_cuda():
+            rec.phase = "forward"
+            loss = F.cross_entropy(F.linear(x, w), y)
+            rec.phase = "backward"
+            loss.backward()
+            rec.phase = "optimizer"
+            opt.step()
+    fwd, bwd, step = by_op(rec, "forward"), by_op(rec, "backward"), by_op(rec, "optimizer")
+    # forward: the GEMM, log-softmax, the NLL gather; views (t, detach) launch nothing
+    assert set(fwd) == {"aten.mm", "aten._log_softmax", "aten.nll_loss_forward"}
+    assert fwd["aten.mm"].flops == 2 * M * K * N
+    assert fwd["aten.mm"].bytes == F32 * (M * K + N * K + M * N)                    # read x, W; write y
+    assert fwd["aten._log_softmax"].bytes == 2 * F32 * M * N
+    assert fwd["aten.nll_loss_forward"].bytes == F32 * M * N + 8 * M + 2 * F32      # log-probs, int64 labels; loss
+    # backward: the seed (one scalar written), NLL and log-softmax backward, dW = dYᵀ·x (x needs no gradient)
+    assert set(bwd) == {"aten.ones_like", "aten.nll_loss_backward", "aten._log_softmax_backward_data", "aten.mm"}
+    assert bwd["aten.ones_like"].bytes == F32
+    assert bwd["aten.mm"].flops == 2 * M * K * N and bwd["aten.mm"].bytes == F32 * (M * N + M * K + N * K)
+    assert bwd["aten._log_softmax_backward_data"].bytes == 3 * F32 * M * N          # grad, output; grad input
+    # AdamW: state created (two zeros), then every foreach op reads and writes whole tensors of W's size; the step
+    # counter's increment and read are on the host
+    P = F32 * N * K
+    assert step["aten.zeros_like"].bytes == 2 * P and step["aten.zeros_like"].launches == 2
+    assert step["aten._foreach_mul_"].bytes == 2 * 2 * P       # weight decay on W, β2 on v: read + write each
+    assert step["aten._foreach_lerp_"].bytes == 3 * P          # m += (1-β1)(g - m): read m, g; write m
+    assert step["aten._foreach_addcmul_"].bytes == 3 * P       # v += (1-β2) g·g: read v, g; write v
+    assert step["aten._foreach_addcdiv_"].bytes == 4 * P       # W -= lr m / s: read W, m, s; write W
+    assert sum(s.launches for s in step.values()) == 2 + 8     # 2 zeros + mul, mul, lerp, addcmul, sqrt, div, add, addcdiv
+    assert all(s.syncs == 0 for s in rec.stats.values())
+    assert totals(rec, "phase")["forward"].flops == 2 * M * K * N
+    # the prediction: max(FLOPs / rate, bytes / bandwidth) + one launch each
+    hw = rec.hw
+    mm = fwd["aten.mm"]
+    assert mm.seconds == pytest.approx(max(mm.flops / hw.rates["gemm"], mm.bytes / hw.bandwidth["elementwise / other"])
+                                       + hw.launch_s)
+
+
+def test_fused_attention_is_one_kernel_each_way():
+    q = torch.empty(2, 4, 64, 96)
+    k, v = torch.empty(2, 4, 64, 96), torch.empty(2, 4, 64, 48)
+    rec = Recorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        with rec, roofline.fused_attention(rec):
+            rec.phase = "forward"
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            rec.phase = "backward"
+            out.sum().backward()
+    fwd, bwd = by_op(rec, "forward")["attention forward"], by_op(rec, "backward")["attention backward"]
+    flops = 2 * 2 * 4 * 64 * 64 * (96 + 48) / 2
+    assert out.shape == (2, 4, 64, 48) and fwd.flops == flops and bwd.flops == 2.5 * flops
+    assert fwd.launches == bwd.launches == 1
+    assert not [op for (_, _, op) in rec.stats if op in ("aten.bmm", "aten._softmax")]   # not the CPU's decomposition
+
+
+# Measured on one H100 (../shared/gpu/2026-11-26-h100/: profile_v3small_*_bf16.txt): v3_small, batch 4 x 2048, bf16.
+MEASURED_MS = {4: 141.3, 12: 272.0}                                   # 12 layers: 268-276 ms
+MEASURED_PHASES_12 = {"forward": 78.0, "backward": 108.5, "optimizer+other": 81.4}
+
+
+@pytest.mark.parametrize("layers", [4, 12])
+def test_v3_small_step_reproduces_the_measured_h100_step(layers):
+    rec, _ = record_step(compose(["+exp=v3_small"]), layers)
+    phase = {k: s.seconds * 1e3 for k, s in totals(rec, "phase").items()}
+    step = sum(phase.values())
+    assert abs(step / MEASURED_MS[layers] - 1) < 0.25, (step, phase)
+    assert totals(rec, "class")["gemm"].launches == {4: 141, 12: 357}[layers]   # aten::mm calls in the profiles
+    if layers == 12:
+        got = {"forward": phase["forward"], "backward": phase["backward"],
+               "optimizer+other": phase["optimizer"] + phase["other"]}
+        for k, want in MEASURED_PHASES_12.items():
+            assert abs(got[k] / want - 1) < 0.35, (k, got[k], want)
+
+
+def test_cli_last_line(capsys):
+    assert roofline.main(["+exp=tiny", "train.precision=bf16"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("predicted step: ") and last.endswith("% MFU)") and " ms on H100 (" in last
