@@ -177,10 +177,12 @@ class Recorder(TorchDispatchMode):
 
 
 def _written(name: str, args: tuple) -> list[torch.Tensor]:
-    """What an in-place op that returns nothing (``_foreach_add_``, ``_fused_adamw_``) writes: its first
-    argument (a tensor or a list of them)."""
+    """What an in-place op that returns nothing writes: its first argument (a tensor or a list of them:
+    ``_foreach_add_``); ``_fused_adam(w)_``: the parameters and both moments."""
     if not name.endswith("_") or not args:
         return []
+    if name.startswith("aten._fused_adam"):
+        return _tensors((args[0], args[2], args[3]))
     return _tensors(args[0])
 
 
@@ -190,25 +192,30 @@ FOREACH_TENSORS_PER_LAUNCH = 2   # measured: AdamW's 2 _foreach_addcdiv_ calls o
 def _launches(name: str, args: tuple) -> int:
     """Kernels an op launches: one, or for a ``_foreach`` op one per ``FOREACH_TENSORS_PER_LAUNCH`` tensors of
     its first list (``multi_tensor_apply`` packs tensors into a launch up to a byte budget)."""
-    if name.startswith("aten._foreach") and args and isinstance(args[0], (list, tuple)):
+    if name.startswith(("aten._foreach", "aten._fused_adam")) and args and isinstance(args[0], (list, tuple)):
         return max(1, -(-len(args[0]) // FOREACH_TENSORS_PER_LAUNCH))
     return 1
 
 
 @contextlib.contextmanager
-def as_on_cuda():
-    """torch's CUDA choices on the fake CPU tensors: AdamW and the gradient clip take their ``_foreach`` paths
-    (their default for CUDA parameters), as the measured step did."""
+def as_on_cuda(fused_adamw: bool = True):
+    """The CUDA choices on the fake CPU tensors: AdamW and the gradient clip take their ``_foreach`` paths (torch's
+    default for CUDA parameters) and ``parallel.zero.fused_adamw`` says yes, as on a GPU."""
     import torch.nn.utils.clip_grad as clip_grad
     import torch.optim.adam as adam
-    saved = (adam._default_to_fused_or_foreach, clip_grad._has_foreach_support, clip_grad._device_has_foreach_support)
+
+    import parallel.zero as zero
+    saved = (adam._default_to_fused_or_foreach, clip_grad._has_foreach_support, clip_grad._device_has_foreach_support,
+             zero.fused_adamw)
     adam._default_to_fused_or_foreach = lambda params, differentiable, use_fused=False: (False, True)
     clip_grad._has_foreach_support = lambda tensors, device: True
     clip_grad._device_has_foreach_support = lambda device: True
+    zero.fused_adamw = lambda tensors: fused_adamw and bool(tensors)
     try:
         yield
     finally:
-        adam._default_to_fused_or_foreach, clip_grad._has_foreach_support, clip_grad._device_has_foreach_support = saved
+        (adam._default_to_fused_or_foreach, clip_grad._has_foreach_support, clip_grad._device_has_foreach_support,
+         zero.fused_adamw) = saved
 
 
 # ---- attention as one fused kernel ------------------------------------------------------------------------
@@ -285,9 +292,10 @@ def fake_model(cfg, layers: int | None = None):
     return model
 
 
-def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hardware = H100) -> tuple[Recorder, object]:
-    """One training step of ``cfg`` on fake tensors, recorded (module docstring). Returns the recorder and the
-    model config it ran."""
+def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hardware = H100,
+                fused_adamw: bool = True) -> tuple[Recorder, object]:
+    """One training step of ``cfg`` on fake tensors, recorded (module docstring). ``fused_adamw=False``: AdamW's
+    foreach path, as the step measured on the H100 ran. Returns the recorder and the model config it ran."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallel.dims import ParallelDims
@@ -302,7 +310,8 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
             from parallel.fp8 import apply_fp8
             apply_fp8(model, backend="emulation")
         model.train()
-        opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1), weights=precision.weights)
+        with as_on_cuda(fused_adamw):
+            opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1), weights=precision.weights)
         ids = torch.randint(0, model.cfg.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1))
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
