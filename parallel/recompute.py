@@ -41,7 +41,7 @@ both).
 Mechanism: each chosen module's class is swapped for a subclass whose region methods run under
 ``checkpoint`` (as ``torch.distributed.fsdp.fully_shard`` swaps classes): parameters, state-dict keys and
 numerics are unchanged. Apply it after every transform that replaces modules (``apply_ep``, ``apply_fp8``,
-``apply_deferred_wgrad``; the order lives in ``trainer.startup.build_model``):
+``apply_deferred_wgrad``; the order lives in ``parallel.parallelize``):
 a replaced module is a new object of its own class and would not recompute.
 """
 from __future__ import annotations

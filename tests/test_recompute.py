@@ -181,7 +181,7 @@ def test_routed_experts_selective_and_deferred_wgrad_compose(monkeypatch):
     plain = copy.deepcopy(base)
     assert "layers.1.ffn.experts.act.forward" in apply_recompute(plain, "selective")
     model, queue = copy.deepcopy(base), WeightGradQueue()
-    apply_deferred_wgrad(model, queue)   # startup.build_model's order: deferred modules, then recompute
+    apply_deferred_wgrad(model, queue)   # parallelize's order: deferred modules, then recompute
     apply_recompute(model, "selective")
     routed = {id(m.act) for m in model.modules() if isinstance(m, DeferredGroupedExperts)}
     assert len(routed) == 4   # layers 1-3 and the MTP block
