@@ -14,6 +14,7 @@ from checkpoint import (CheckpointDirError, CheckpointManager, CheckpointWriteEr
                                 NoGoodCheckpointError, NonFiniteStateError)
 from checkpoint.__main__ import main as verify_main
 from errors import ConfigError
+from trainer.owner import OWNER_FILE   # the live trainer's lock on checkpoint.dir
 
 from .trainer_utils import assert_losses_match, fast_overrides, make_config, read_jsonl, run_cli, \
     run_inprocess, run_torchrun
@@ -249,7 +250,7 @@ def test_disk_full_during_save_keeps_earlier_checkpoints(tmp_path, base, monkeyp
     assert f"saving step 6 to {ck / sd(6)} failed" in msg and f"{bad_file}: errno 28 (ENOSPC" in msg, msg
     assert "\n" not in msg
     assert not list(ck.glob(".tmp-*")) and not (ck / sd(6)).exists()
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", sd(2), sd(4)]   # nothing pruned (keep=1)
+    assert sorted(p.name for p in ck.iterdir()) == [OWNER_FILE, "latest", sd(2), sd(4)]   # nothing pruned (keep=1)
     assert verifies(ck / sd(2)) and verifies(ck / sd(4))
     assert (ck / "latest").read_text().strip() == sd(4)
 
@@ -270,7 +271,7 @@ def test_state_with_nan_is_never_written(tmp_path, base, tensor):
     with pytest.raises(NonFiniteStateError) as e:
         t.save()
     assert f"refusing to save step 5: {want} holds inf or nan, so nothing was written" in str(e.value), str(e.value)
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", sd(2), sd(4)]
+    assert sorted(p.name for p in ck.iterdir()) == [OWNER_FILE, "latest", sd(2), sd(4)]
 
 
 def test_pruning_never_removes_the_newest_good_checkpoint(tmp_path, base, capsys):
@@ -282,7 +283,7 @@ def test_pruning_never_removes_the_newest_good_checkpoint(tmp_path, base, capsys
     assert t.step == 4 and f"skipping damaged checkpoint {ck / sd(6)}" in capsys.readouterr().err
     t.step = 5   # as after one more training step
     assert t.save() == ck / sd(5)
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", sd(5), sd(6)]
+    assert sorted(p.name for p in ck.iterdir()) == [OWNER_FILE, "latest", sd(5), sd(6)]
     assert verifies(ck / sd(5)) and not verifies(ck / sd(6))
     assert (ck / "latest").read_text().strip() == sd(5)
 

@@ -22,6 +22,7 @@ from .ema import ParamEMA
 from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failure
 from .lr_schedule import lr_multiplier
 from .metrics import rank_memory
+from .owner import Owner
 from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
 from .timers import StepTimers
 
@@ -40,6 +41,19 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dims = dims or ParallelDims(world_size=1)
+        # One owner per directory (trainer/owner.py): the run directory before anything is read or written there,
+        # a checkpoint.dir outside it once it is known to be writable (_start).
+        self.owners = [Owner(self.run_dir)]
+        self.owners[0].acquire(self.dims)
+        try:
+            self._start(cfg, device)
+        except BaseException:
+            self.release()
+            raise
+
+    def _start(self, cfg: Config, device: torch.device | None) -> None:
+        """Everything after the directories are this run's: the checkpoint to resume, the pre-flight check, data,
+        model, optimizer, resume."""
         t = cfg.train
         self.device = device or pick_device(t.device)
         self.timers = StepTimers(self.device)   # time_<phase>_s per step (trainer/timers.py)
@@ -51,17 +65,22 @@ class Trainer:
                                       is_writer=self.dims.is_main)
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
+            if not self.ckpt.root.resolve().is_relative_to(self.run_dir.resolve()):
+                self.owners.append(Owner(self.ckpt.root))
+                self.owners[-1].acquire(self.dims)
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
         # Before anything big is built: the estimate vs free memory (trainer/memory_plan.py).
         self.memory_note = preflight_all_ranks(cfg, self.dims, self.device) if t.memory_check else ""
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
         self.corpus = None if cfg.data.blend else load_corpus_rank0_first(cfg, self.dims)
+        self.beat()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard. Starting
         # from HF weights, it builds on meta instead and materialises only what it keeps (its stages, its experts'
         # slice) before reading those tensors: host memory about its own shard (models.hf.load_hf_into).
         init = cfg.checkpoint.init_from
         hf_init = init is not None and self._resume_path is None and (Path(init).expanduser() / "config.json").is_file()
         self.model, self.pipe = build_model(cfg, self.dims, self.device, on_meta=hf_init)
+        self.beat()
         # Start-up lines for the log (written once the logger exists). init_from comes before the optimizer:
         # it takes its FP32 master (ZeRO: its pieces) from the weights, which are FP32 until then.
         self.notes: list[str] = [] if init is None else [run_state.apply_init_from(self)]
@@ -84,6 +103,16 @@ class Trainer:
         self.skipped_in_a_row = 0
         self._saved_step, self._saved_path = None, None
 
+    def beat(self) -> None:
+        """The heartbeat of this run's directory locks (trainer/owner.py)."""
+        for o in self.owners:
+            o.beat()
+
+    def release(self) -> None:
+        """Give up this run's directory locks (at the end of ``train``, or when start-up fails)."""
+        for o in self.owners:
+            o.release()
+
     def _lr_multiplier(self, scheduler_step: int) -> float:
         """LambdaLR's factor for its step ``scheduler_step``, after ``self.tokens`` consumed tokens."""
         return lr_multiplier(self.cfg.optim, self.cfg.train.max_steps, scheduler_step, self.tokens)
@@ -104,6 +133,14 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
+        """Train to ``train.max_steps`` (or a stop request); the directory locks are released at the end, however
+        it ends."""
+        try:
+            return self._train()
+        finally:
+            self.release()
+
+    def _train(self) -> dict:
         t = self.cfg.train
         self.logger = open_logger(self)
         end_step = min(t.max_steps, t.stop_at_step or t.max_steps)
@@ -138,6 +175,7 @@ class Trainer:
         metrics = {}
         while self.step < end_step:
             metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
+            self.beat()
             if self.stop_requested:   # every rank agreed on it in this step's check
                 self.logger.log_step(metrics, self._last_load)
                 path = self._save_once()
