@@ -300,3 +300,21 @@ def test_fused_adamw_updates_the_master_as_the_default_path_does():
         assert all(torch.equal(p.detach(), m.to(p.dtype)) for (_, p), m in zip(opt.params, masters[-1].values()))
     for n, ref in masters[0].items():
         assert ((masters[1][n] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)) < 1e-6, n
+
+
+def test_fused_adamw_state_lives_on_the_parameters_device():
+    """torch's fused AdamW kernel takes every state tensor, the step count too, on the parameter's device (on
+    CUDA a host step count raises at the first step: measured on an H100). ``Replicated`` creates the state
+    before the first step, so it places it as torch would: checked on meta tensors, where nothing runs."""
+    from types import SimpleNamespace
+
+    import models
+    from configs import model_preset
+    from parallel.zero import Replicated
+    o = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for fused, want in ((True, "meta"), (False, "cpu")):
+        model = models.build(model_preset("tiny"), seed=0).to("meta")
+        opt = Replicated(model, o, ParallelDims(world_size=1), None, fused=fused)
+        steps = {opt.optimizer.state[t]["step"].device.type for _, t in opt.named}
+        moments = {opt.optimizer.state[t][k].device.type for _, t in opt.named for k in ("exp_avg", "exp_avg_sq")}
+        assert steps == {want} and moments == {"meta"}, (fused, steps, moments)

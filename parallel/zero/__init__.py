@@ -54,6 +54,15 @@ def fused_adamw(tensors: list[torch.Tensor]) -> bool:
     return bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
 
 
+def adamw_step_counter(param: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The FP32 scalar step count ``torch.optim.AdamW`` itself would create for ``param``: on the parameter's
+    device when fused (its CUDA kernel takes every state tensor on that device and refuses a host counter),
+    on the host otherwise."""
+    if fused:
+        return torch.zeros((), dtype=torch.float32, device=param.device)
+    return torch.tensor(0.0, dtype=torch.float32)   # a constant: fake-tensor tracing (tools.roofline) can read it
+
+
 class Replicated:
     """No sharding: every data-parallel rank keeps the full AdamW state (torch.optim.AdamW, fp32 moments; fused
     on CUDA, ``fused_adamw``). With ``weights="bf16"`` AdamW updates a full FP32 master copy (the FP32 values the
@@ -77,7 +86,7 @@ class Replicated:
         self.optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
                                            eps=optim_cfg.eps, fused=fused or None)
         for _, t in self.named:   # AdamW's state now (it would at the first step): checkpoints before it, memory()
-            self.optimizer.state[t].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(t),
+            self.optimizer.state[t].update(step=adamw_step_counter(t, fused), exp_avg=torch.zeros_like(t),
                                            exp_avg_sq=torch.zeros_like(t))
 
     def backward(self, loss: torch.Tensor) -> None:
