@@ -11,14 +11,20 @@ Granularity and layout (T = 128):
   TMA can read it), ``sT [C, ⌈R/T⌉]``. Grouped: tiles restart at each expert's first row and ``qT`` is in
   tile space, ``[C, n·T]`` with tile t in columns ``[t·T, t·T+T)``, zero-padded; ``sT [C, n]``,
   ``n = ⌈R/T⌉+E-1`` (``reference.py``).
-- ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous.
+- ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous
+  (torch's transposed copy of the bytes).
 - ``cast_to_e4m3(x)``               the bare saturating RNE cast (tests the rounding exhaustively).
 
-The FP32 -> E4M3 conversion (``_to_e4m3``) first rounds the magnitude onto the E4M3 grid in FP32, so the
-final convert is exact (the Triton interpreter's own downcast drops mantissa carries, rounds ties up and
-does not saturate: one code path for GPU and interpreter), then sets the sign bit with integer ops: a
-negative value that rounds to zero is -0 (0x80), as in torch (the H100 gave +0 when the sign was applied
-as a float). Divisions use ``div_rn`` (IEEE), as the reference's tensor divisions do on CUDA and CPU.
+The FP32 -> E4M3 conversion (``_to_e4m3``) has two forms, chosen per launch (``HW``):
+- compiled (GPU): clamp to ±448 and the hardware convert (``cvt.rn.satfinite.e4m3x2.f32``: round to nearest
+  even, saturating, the sign kept, so a negative value that rounds to zero is -0 as in torch). Bit-exact on
+  an H100 with Triton 3.6, and the fastest form there.
+- interpreter: the interpreter's own downcast drops mantissa carries, rounds ties up and does not saturate,
+  so the magnitude is first rounded onto the E4M3 grid in FP32 (magic-number add and subtract), making that
+  downcast exact, and the sign is set as a bit. Compiled for an H100 by Triton 3.6 this form wrote garbage
+  bytes for values that round to zero, in a pattern that changed with ``num_warps`` (e.g. 25 % of the
+  128×1 quantiser's bytes at 4 warps, none at 8), so it never runs there.
+Divisions use ``div_rn`` (IEEE), as the reference's tensor divisions do on CUDA and CPU.
 """
 from __future__ import annotations
 
@@ -34,9 +40,12 @@ _TILE = tl.constexpr(TILE)
 
 
 @triton.jit
-def _to_e4m3(x):
-    """Saturating RNE of FP32 ``x`` to E4M3. The magnitude is rounded onto the E4M3 grid in FP32 first, so the
-    hardware convert of it is exact; the sign goes on as a bit (a value that rounds to zero keeps it: -0)."""
+def _to_e4m3(x, HW: tl.constexpr):
+    """Saturating RNE of FP32 ``x`` to E4M3 (module docstring). ``HW``: the hardware convert; otherwise the
+    interpreter's form: the magnitude rounded onto the E4M3 grid in FP32 first, so the downcast of it is exact,
+    and the sign put on as a bit (a value that rounds to zero keeps it: -0)."""
+    if HW:
+        return tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
     ax = tl.minimum(tl.abs(x), 448.0)
     e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormal step 2^-9
     magic = ((e + 147) << 23).to(tl.float32, bitcast=True)                    # grid step 2^(e-3), times 2^23
@@ -66,28 +75,28 @@ def _scale_from_amax(amax, POW2: tl.constexpr):
 
 
 @triton.jit
-def _cast_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+def _cast_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr, HW: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _to_e4m3(x), mask=offs < n)
+    tl.store(q_ptr + offs, _to_e4m3(x, HW), mask=offs < n)
 
 
 @triton.jit
 def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-                      BLOCK_M: tl.constexpr, POW2: tl.constexpr):
+                      BLOCK_M: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * _TILE + tl.arange(0, _TILE)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_from_amax(_amax(x, 1), POW2)
-    q = _to_e4m3(tl.math.div_rn(x, s[:, None]))
+    q = _to_e4m3(tl.math.div_rn(x, s[:, None]), HW)
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + tl.program_id(1), s, mask=offs_m < M)
 
 
 @triton.jit
 def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
-                        BLOCK_C: tl.constexpr, POW2: tl.constexpr):
+                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
     # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense
     # (Q_COLS = R masks the last tile), the zero-padded tile slot in tile space (Q_COLS = n·T, no mask).
     t = tl.program_id(0)
@@ -99,15 +108,15 @@ def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_CO
     mask = (offs_r[:, None] < re) & (offs_c[None, :] < C)
     x = tl.load(x_ptr + offs_r[:, None] * stride_xr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
     s = _scale_from_amax(_amax(x, 0), POW2)                      # [BLOCK_C]
-    q = _to_e4m3(tl.math.div_rn(x, s[None, :]))
+    q = _to_e4m3(tl.math.div_rn(x, s[None, :]), HW)
     tl.store(q_ptr + offs_c[None, :] * stride_qc + cols[:, None], q,
              mask=(cols[:, None] < Q_COLS) & (offs_c[None, :] < C))
     tl.store(s_ptr + offs_c * stride_sc + t, s, mask=offs_c < C)
 
 
 @triton.jit
-def _quant_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qn,
-                         stride_qte, stride_qtk, stride_se, stride_sn, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qn, stride_se, stride_sn,
+                         POW2: tl.constexpr, HW: tl.constexpr):
     pid_n, pid_k, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     offs_n = pid_n * _TILE + tl.arange(0, _TILE)
     offs_k = pid_k * _TILE + tl.arange(0, _TILE)
@@ -115,10 +124,8 @@ def _quant_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride_we, stride_wn
     w = tl.load(w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
     s = _scale_from_amax(_amax(_amax(w, 1), 0), POW2)
-    q = _to_e4m3(tl.math.div_rn(w, s))
+    q = _to_e4m3(tl.math.div_rn(w, s), HW)
     tl.store(q_ptr + e * stride_qe + offs_n[:, None] * stride_qn + offs_k[None, :], q, mask=mask)
-    if TRANSPOSE:
-        tl.store(qt_ptr + e * stride_qte + offs_k[None, :] * stride_qtk + offs_n[:, None], q, mask=mask)
     tl.store(s_ptr + e * stride_se + pid_n * stride_sn + pid_k, s)
 
 
@@ -127,6 +134,11 @@ def _check_input(x: torch.Tensor, dims: tuple[int, ...]) -> None:
     assert x.dim() in dims, f"expected {dims}-D input, got {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
     assert x.stride(-1) == 1, f"last dim must be contiguous, strides {x.stride()}"
+
+
+def _hw_cast() -> bool:
+    """The hardware E4M3 convert when compiled; the interpreter's exact form under the interpreter."""
+    return not interpreting()
 
 
 def _rows_block(rows: int, cap: int) -> int:
@@ -140,7 +152,7 @@ def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     block = 1 << 16 if interpreting() else 1024
     if x.numel():
-        _cast_kernel[(cdiv(x.numel(), block),)](x, q, x.numel(), BLOCK=block)
+        _cast_kernel[(cdiv(x.numel(), block),)](x, q, x.numel(), BLOCK=block, HW=_hw_cast())
     return q
 
 
@@ -156,7 +168,7 @@ def quant_act(x: torch.Tensor, pow2: bool = False, q: torch.Tensor | None = None
     if M and K:
         block_m = _rows_block(M, 32)
         _quant_act_kernel[(cdiv(M, block_m), cdiv(K, TILE))](
-            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block_m, POW2=pow2, num_warps=4)
+            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block_m, POW2=pow2, HW=_hw_cast(), num_warps=4)
     return q, s
 
 
@@ -180,26 +192,29 @@ def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, 
         block_c = _rows_block(C, 64)
         _quant_act_t_kernel[(n, cdiv(C, block_c))](
             x, q, s, tiles["row_start"], tiles["row_end"], C, cols, x.stride(0), q.stride(0), s.stride(0),
-            BLOCK_C=block_c, POW2=pow2, num_warps=4)
+            BLOCK_C=block_c, POW2=pow2, HW=_hw_cast(), num_warps=4)
     return q, s
 
 
 def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
     """``w [...,N,K]`` (2-D or 3-D) -> ``q`` e4m3 same shape, ``s [...,⌈N/128⌉,⌈K/128⌉]`` fp32, and with
-    ``transpose`` also ``q_t = q.mT`` contiguous (the K-major Dgrad operand; scales ``s.mT``)."""
+    ``transpose`` also ``q_t = q.mT`` contiguous (the K-major Dgrad operand; scales ``s.mT``). ``q_t`` is torch's
+    copy of ``q``'s bytes: the kernel's own transposed store of a ragged 3-D weight wrote wrong bytes on an H100
+    (Triton 3.6; half of ``q_t`` in the self-check), and a weight is quantised once per step."""
     _check_input(w, (2, 3))
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     E, N, K = w3.shape
     q = torch.empty((E, N, K), dtype=FP8_DTYPE, device=w.device)
-    qt = torch.empty((E, K, N) if transpose else (1, 1, 1), dtype=FP8_DTYPE, device=w.device)
     s = torch.empty((E, cdiv(N, TILE), cdiv(K, TILE)), dtype=torch.float32, device=w.device)
     if E and N and K:
         _quant_weight_kernel[(cdiv(N, TILE), cdiv(K, TILE), E)](
-            w3, q, qt, s, N, K, w3.stride(0), w3.stride(1), q.stride(0), q.stride(1), qt.stride(0), qt.stride(1),
-            s.stride(0), s.stride(1), POW2=pow2, TRANSPOSE=transpose, num_warps=8)
+            w3, q, s, N, K, w3.stride(0), w3.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+            POW2=pow2, HW=_hw_cast(), num_warps=8)
     if w.dim() == 2:
-        q, s, qt = q[0], s[0], qt[0]
-    return (q, s, qt) if transpose else (q, s)
+        q, s = q[0], s[0]
+    if not transpose:
+        return q, s
+    return q, s, q.view(torch.uint8).mT.contiguous().view(FP8_DTYPE)
 
 
 def quant_act_t_transposed(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
