@@ -22,6 +22,7 @@ ZERO_BACKENDS = ("native", "deepspeed")          # parallel.zero_backend
 DECAYS = ("cosine", "constant", "phases")        # optim.decay
 LR_SHAPES = ("constant", "linear", "cosine")     # optim.phases[i].shape
 WANDB_MODES = ("offline", "online", "disabled")  # logging.wandb.mode
+BAD_DOCUMENT = ("error", "skip")                 # data.on_bad_document
 
 
 # Allowed values that live with their code in parallel/ (registries of torch modules): read when a config is
@@ -188,6 +189,7 @@ def _check_parallel(p: ParallelConfig) -> None:
 
 def _check_data(d: DataConfig, m: ModelConfig) -> None:
     _need("data.val_fraction", d.val_fraction, 0 <= d.val_fraction < 1, "in [0, 1) (0 = no validation)")
+    _one_of("data.on_bad_document", d.on_bad_document, BAD_DOCUMENT)
     if d.seq_len <= 1 or d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len: must be in 2..model.max_seq_len ({m.max_seq_len}), got {d.seq_len}")
     for key in ("blend", "val_blend"):

@@ -135,6 +135,7 @@ class DataConfig:
     # memory-mapped: [{path, weight}, ...]. Replaces data.path / tokenizer / text_field / val_fraction.
     blend: list[BlendSource] = field(default_factory=list)
     val_blend: list[BlendSource] = field(default_factory=list)   # validation sources (val_loss per source); empty: none
+    on_bad_document: str = "error"    # a token id >= model.vocab_size in data.blend: error (one line naming shard, document, position) | skip (its windows replaced by the next clean ones, deterministically)
 
 
 @dataclass

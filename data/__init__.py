@@ -5,12 +5,12 @@ batch-size ramp (``ramp``). ``tools/prepare_data.py`` writes shards through ``sh
 The public API, used by ``trainer/`` and ``tools/``; everything else is private to this package.
 """
 from .batches import PackedBatches, val_batches
-from .blend import BlendedBatches, blend_val_batches
+from .blend import BadDocument, BlendedBatches, blend_val_batches
 from .corpus import Corpus, load_corpus, use_offline_hub
 from .ramp import batch_size_at, micro_batches, ramp_sizes
 from .shards import TokenSource, open_tokens, token_dtype, write_shard
 from .tokenizer import EOS, encode, find_eos_id, load_tokenizer
 
-__all__ = ["PackedBatches", "val_batches", "BlendedBatches", "blend_val_batches", "Corpus", "load_corpus",
+__all__ = ["PackedBatches", "val_batches", "BadDocument", "BlendedBatches", "blend_val_batches", "Corpus", "load_corpus",
            "use_offline_hub", "batch_size_at", "micro_batches", "ramp_sizes", "TokenSource", "open_tokens", "token_dtype",
            "write_shard", "EOS", "encode", "find_eos_id", "load_tokenizer"]

@@ -23,6 +23,7 @@ state is ``consumed_samples`` (and the settings it is checked against).
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from .batches import val_batches
 CHUNK = 1 << 14          # slots of the repeating source pattern: shares exact to 1/CHUNK
 _ROUNDS = 4
 _M64 = np.uint64((1 << 64) - 1)
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ permutation
@@ -100,14 +102,32 @@ class Sample:
     window: int     # window of that source
 
 
+class BadDocument(ConfigError):
+    """A token id outside the model's vocabulary in a training or validation window (``data.on_bad_document``)."""
+
+
+def bad_token(key: str, name: str, src, pos: int, token: int, vocab_size: int) -> str:
+    """One line naming a bad token: source, shard file, document and position (``TokenSource.locate``)."""
+    if hasattr(src, "locate"):
+        shard, doc, at = src.locate(pos)
+        place = f"{shard}, document {doc}, position {at}"
+    else:
+        place = f"token {pos} of the stream"
+    return f"{key}: source {name}: token id {token} outside model.vocab_size={vocab_size} at {place}"
+
+
 class BlendedBatches:
     """Resumable stream of packed training windows from weighted sources, for one data-parallel rank."""
 
     def __init__(self, sources, weights: list[float], names: list[str], seq_len: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1, key: str = "data.blend"):
+                 dp_rank: int = 0, dp_size: int = 1, key: str = "data.blend", vocab_size: int | None = None,
+                 on_bad_document: str = "error"):
         if len(sources) != len(weights) or not sources:
             raise ValueError("one weight per source, at least one source")
         self.sources, self.names, self.key = list(sources), list(names), key
+        self.vocab_size, self.on_bad_document = vocab_size, on_bad_document
+        self.skipped_windows = 0                           # this run's windows replaced for a bad token (this rank)
+        self._reported: set[tuple[int, int]] = set()      # (source, document) already named in a warning
         self.seq_len, self.seed, self.dp_rank, self.dp_size = int(seq_len), int(seed), int(dp_rank), int(dp_size)
         self.weights = [float(w) for w in weights]
         self.windows = [max(0, (s.num_tokens - 1) // self.seq_len) for s in self.sources]
@@ -142,8 +162,38 @@ class BlendedBatches:
     def read(self, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.seq_len
         rows = np.stack([self.sources[s.source].read(s.window * L, s.window * L + L + 1) for s in samples])
+        if self.vocab_size is not None:
+            bad = ((rows < 0) | (rows >= self.vocab_size)).any(axis=1)     # one vectorised comparison per batch
+            for i in np.flatnonzero(bad):
+                rows[i] = self._clean_window(samples[i], rows[i])
         rows = torch.from_numpy(rows.astype(np.int64, copy=False))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def _clean_window(self, sample: Sample, row: np.ndarray) -> np.ndarray:
+        """A window holding a token id outside the vocabulary: ``error`` raises ``BadDocument`` naming it;
+        ``skip`` returns the next window of the same source without one (a function of the data alone, so every
+        rank and every resume reads the same), with one warning per bad document."""
+        L, j = self.seq_len, sample.source
+        src, w = self.sources[j], sample.window
+        for _ in range(self.windows[j]):
+            bad = np.flatnonzero((row < 0) | (row >= self.vocab_size))
+            if not bad.size:
+                return row
+            pos = w * L + int(bad[0])
+            where = bad_token(self.key, self.names[j], src, pos, int(row[bad[0]]), self.vocab_size)
+            if self.on_bad_document != "skip":
+                raise BadDocument(f"{where}; set data.on_bad_document=skip to skip the windows that hold it, or "
+                                  "repair the data")
+            doc = src.locate(pos)[1] if hasattr(src, "locate") else pos
+            if (j, doc) not in self._reported:
+                self._reported.add((j, doc))
+                log.warning("%s; skipped (data.on_bad_document=skip): each window holding it is replaced by the "
+                            "next clean window of the source", where)
+            self.skipped_windows += 1
+            w = (w + 1) % self.windows[j]
+            row = src.read(w * L, w * L + L + 1)
+        raise BadDocument(f"{self.key}: source {self.names[j]} ({getattr(src, 'path', src)}) has no window without "
+                          f"a token id outside model.vocab_size={self.vocab_size}")
 
     def next_batch(self, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch of ``global_batch_size`` sequences."""
@@ -157,8 +207,12 @@ class BlendedBatches:
         return self.read(everyone[self.dp_rank * b:(self.dp_rank + 1) * b])
 
     def source_metrics(self) -> dict:
-        """Tokens consumed per source since start-up (keys ``tokens/<name>``)."""
-        return {f"tokens/{n}": t for n, t in zip(self.names, self.tokens_per_source)}
+        """Tokens consumed per source since start-up (keys ``tokens/<name>``, all ranks) and, when there were
+        any, the windows this rank replaced for a bad token (``skipped_windows``)."""
+        out = {f"tokens/{n}": t for n, t in zip(self.names, self.tokens_per_source)}
+        if self.skipped_windows:
+            out["skipped_windows"] = self.skipped_windows
+        return out
 
     def state_dict(self) -> dict:
         return {"consumed_samples": int(self.consumed_samples), "seed": self.seed, "kind": "blend",
@@ -198,13 +252,37 @@ class _Stream:
         return self.src.read(s.start, s.stop)
 
 
-def blend_val_batches(sources, names: list[str], seq_len: int, batch_size: int, max_batches: int
+def blend_val_batches(sources, names: list[str], seq_len: int, batch_size: int, max_batches: int,
+                      vocab_size: int | None = None, on_bad_document: str = "error"
                       ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per validation source: ``data.val_batches`` of its stream (the first ``max_batches`` batches of
-    consecutive windows)."""
+    consecutive windows). With ``vocab_size``, a window holding a token id outside it raises ``BadDocument``
+    (``on_bad_document="error"``) or is left out of its batch (``"skip"``, one warning per window)."""
     out = {}
     for name, src in zip(names, sources):
         if (src.num_tokens - 1) // seq_len == 0:
             raise ConfigError(f"data.val_blend: source {name} holds fewer than data.seq_len+1={seq_len + 1} tokens")
-        out[name] = val_batches(_Stream(src), seq_len, batch_size, max_batches)
+        batches = val_batches(_Stream(src), seq_len, batch_size, max_batches)
+        if vocab_size is not None:
+            batches = _clean_val(batches, name, src, seq_len, batch_size, vocab_size, on_bad_document)
+        out[name] = batches
     return out
+
+
+def _clean_val(batches, name: str, src, seq_len: int, batch_size: int, vocab_size: int, on_bad: str):
+    """``blend_val_batches``' check: batch k holds windows ``k*batch_size + i`` of the stream, in order."""
+    kept = []
+    for k, (x, y) in enumerate(batches):
+        rows = torch.cat([x, y[:, -1:]], dim=1)
+        bad_rows = ((rows < 0) | (rows >= vocab_size)).any(dim=1)
+        for i in torch.nonzero(bad_rows).flatten().tolist():
+            at = int(torch.nonzero((rows[i] < 0) | (rows[i] >= vocab_size))[0])
+            where = bad_token("data.val_blend", name, src, (k * batch_size + i) * seq_len + at, int(rows[i, at]),
+                              vocab_size)
+            if on_bad != "skip":
+                raise BadDocument(f"{where}; set data.on_bad_document=skip to leave its windows out, or repair the data")
+            log.warning("%s; its window is left out of validation (data.on_bad_document=skip)", where)
+        if bool(bad_rows.all()):
+            continue
+        kept.append((x[~bad_rows], y[~bad_rows]) if bool(bad_rows.any()) else (x, y))
+    return kept

@@ -242,6 +242,22 @@ class TokenSource:
         return np.asarray(self._open(k)[0][start:stop], dtype=np.int64)
 
 
+    def locate(self, pos: int) -> tuple[str, int, int]:
+        """Where token ``pos`` of the concatenated stream lives: ``(shard .bin path, document index in this
+        dataset, position inside that document)``."""
+        pos = int(pos)
+        if not 0 <= pos < self.num_tokens:
+            raise IndexError(f"{self.path}: token {pos} outside [0, {self.num_tokens})")
+        k = int(np.searchsorted(self._tok_offsets, pos, side="right")) - 1
+        _, _, pointers, doc_idx = self._open(k)
+        local, size = pos - int(self._tok_offsets[k]), self.dtype.itemsize
+        seq = int(np.searchsorted(np.asarray(pointers) // size, local, side="right")) - 1
+        doc = max(0, int(np.searchsorted(np.asarray(doc_idx), seq, side="right")) - 1)
+        first = int(doc_idx[doc]) if doc < len(doc_idx) else 0
+        start = int(pointers[first]) // size if first < len(pointers) else 0
+        return self._shards[k].bin_path, int(self._doc_offsets[k]) + doc, local - start
+
+
 def _prefix_of(p: Path) -> str | None:
     s = str(p)
     if s.endswith((".bin", ".idx")) and p.is_file():

@@ -203,7 +203,7 @@ UNKNOWN = [  # (override, the one-line error)
     ("+train.bias_update_speed.valu=0", "train.bias_update_speed.valu: not a config key; did you mean "
                                        "train.bias_update_speed.value?"),
     ("+data.foo=1", "data.foo: not a config key; the keys under data are path, tokenizer, seq_len, text_field, "
-                    "val_fraction, cache_dir, blend, val_blend"),
+                    "val_fraction, cache_dir, blend, val_blend, on_bad_document"),
     ("+modle.dim=64", "modle: not a config key; did you mean model?"),
 ]
 

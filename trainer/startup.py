@@ -101,8 +101,10 @@ def open_blend(cfg: Config, dims: ParallelDims):
                               f"model.vocab_size ({cfg.model.vocab_size}); raise model.vocab_size")
     srcs, names = opened["blend"]
     batches = BlendedBatches(srcs, [s.weight for s in d.blend], names, d.seq_len, t.seed,
-                             dp_rank=dims.dp_rank, dp_size=dims.dp)
-    val = blend_val_batches(*opened["val_blend"], d.seq_len, t.micro_batch_size, t.eval_batches)
+                             dp_rank=dims.dp_rank, dp_size=dims.dp, vocab_size=cfg.model.vocab_size,
+                             on_bad_document=d.on_bad_document)
+    val = blend_val_batches(*opened["val_blend"], d.seq_len, t.micro_batch_size, t.eval_batches,
+                            vocab_size=cfg.model.vocab_size, on_bad_document=d.on_bad_document)
     return batches, val
 
 

@@ -61,6 +61,8 @@ def panel_name(key: str) -> str:
         return "val/loss_" + key[9:]
     if key.startswith("tokens/"):
         return "data/tokens_" + key[7:]
+    if key == "skipped_windows":
+        return "data/skipped_windows"
     return f"train/{key}"
 
 
