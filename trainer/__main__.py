@@ -16,14 +16,20 @@ import traceback
 from importlib import resources
 from typing import NoReturn
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from trainer.lifecycle import (EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, StartupInterrupted, StartupStops, TrainingError,
+                               stopped_in_startup)
 
-from configs.schema import check_key, register, to_object, validate
-from errors import ConfigError
-from models.config import ModelError
-from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, TrainingError
+# Stop signals are handled from here on (trainer.lifecycle.StartupStops): importing torch and Hydra takes
+# seconds, start-up minutes at scale, and a signal's default action would end the run with nothing said.
+_STOPS = StartupStops(int(os.environ.get("RANK", "0"))).install() if __name__ == "__main__" else None
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from configs.schema import check_key, register, to_object, validate  # noqa: E402
+from errors import ConfigError  # noqa: E402
+from models.config import ModelError  # noqa: E402
 
 register()
 
@@ -88,16 +94,22 @@ def _shut_down_groups(dims) -> None:
 @hydra.main(version_base=None, config_path="pkg://configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    stops = _STOPS or StartupStops(int(os.environ.get("RANK", "0"))).install()
     try:
-        cfg = validate(to_object(dcfg), world_size)   # before any collective
-    except ConfigError as e:
-        _config_error(e)
-    try:
-        from .train import Trainer   # heavy imports after the config is known to be valid
-        dims, device = _init_distributed(cfg)
-        trainer = Trainer(cfg, _shared_run_dir(HydraConfig.get().runtime.output_dir, dims), dims, device)
-    except (ConfigError, ModelError) as e:   # a checkpoint, a HF directory, the data, the memory estimate
-        _config_error(e, maybe_own=True)
+        try:
+            cfg = validate(to_object(dcfg), world_size)   # before any collective
+        except ConfigError as e:
+            _config_error(e)
+        try:
+            from .train import Trainer   # heavy imports after the config is known to be valid
+            stops.raising()   # from here on there is something to clean up (process group, directory locks)
+            dims, device = _init_distributed(cfg)
+            trainer = Trainer(cfg, _shared_run_dir(HydraConfig.get().runtime.output_dir, dims), dims, device)
+        except (ConfigError, ModelError) as e:   # a checkpoint, a HF directory, the data, the memory estimate
+            _config_error(e, maybe_own=True)
+    except StartupInterrupted as e:   # the trainer released its directory locks on the way out
+        _stop_in_startup(stops, e.signal)
+    stops.finishing()   # the training loop installs its own handlers; after it, signals no longer cut closing short
     # A rank ended by a signal it cannot handle in Python (NCCL's watchdog aborts a rank whose collective timed
     # out: SIGABRT) prints every thread's Python stack first: the MoE layer or pipeline action it was in.
     faulthandler.enable(all_threads=True)
@@ -118,6 +130,21 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(EXIT_STOPPED)
     # Done: return (exit code 0). Launchers that run this function in their own process (Hydra's submitit
     # launcher) wait for its return value; a SystemExit here would leave them waiting for a result.
+
+
+def _stop_in_startup(stops: StartupStops, name: str) -> NoReturn:
+    """A stop signal before the first step (the trainer, if it got that far, released its directory locks): one
+    line, the process group destroyed (no barrier: the peers got the same signal, or torchrun ends them), exit 75
+    (EX_TEMPFAIL: the sbatch script requeues)."""
+    stops.finishing()   # a second signal now changes nothing
+    print(stopped_in_startup(stops.rank, name), file=sys.stderr, flush=True)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    # Not sys.exit: the signal may have cut an import short (datasets, tokenizers, a CUDA library), and the
+    # interpreter's shutdown could then run a half-initialised extension's finalisers.
+    os._exit(EXIT_STOPPED)
 
 
 def _config_error(e: ConfigError, maybe_own: bool = False) -> NoReturn:

@@ -11,11 +11,15 @@ Exit codes of ``python -m trainer`` (every rank):
          written; resume with ``checkpoint.resume=auto`` (EX_TEMPFAIL: a scheduler may retry)
     130  a second SIGINT: exit at once, no checkpoint
 
-A stop request is noted by the signal handler and acted on at the next step boundary: every step the
-ranks agree, in the same reduction that checks for non-finite values, whether any rank was asked to
-stop; then all of them save and exit together. SLURM sends SIGTERM (preemption, ``scancel``, the time
-limit) and, with ``--signal=USR1@<s>``, USR1 ahead of the limit; torchrun forwards SIGTERM/SIGINT to its
-workers.
+Signals are handled from the first line of ``main`` (``StartupStops``): during start-up (config, process
+group, data, model, checkpoint loading: minutes at scale) a stop signal ends the run at once, cleaned up
+(directory locks released, process group destroyed), with exit 75 and no checkpoint (no step ran, so none
+is due); from the training loop's start, ``StopRequests`` notes it and it is acted on at the next step
+boundary: every step the ranks agree, in the same reduction that checks for non-finite values, whether any
+rank was asked to stop; then all of them save and exit together. Once the loop is over (``done:``), a stop
+signal is noted and the run finishes closing (W&B, process groups) and exits as it would have. SLURM sends
+SIGTERM (preemption, ``scancel``, the time limit) and, with ``--signal=USR1@<s>``, USR1 ahead of the limit;
+torchrun forwards SIGTERM/SIGINT to its workers.
 """
 from __future__ import annotations
 
@@ -69,6 +73,62 @@ class StopRequests:
         self.signal = name
         _say(f"rank {self.rank}: {name} received: stopping at the end of the current step with a checkpoint "
              f"(exit code {EXIT_STOPPED}; a second SIGINT exits at once)")
+
+
+class StartupInterrupted(BaseException):
+    """A stop signal during start-up (``StartupStops``). A ``BaseException``, like ``KeyboardInterrupt``, so that
+    no ``except Exception`` on the way swallows it; ``python -m trainer`` cleans up and exits ``EXIT_STOPPED``."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal = signal_name
+
+
+class StartupStops:
+    """The stop signals' handlers from the first line of ``python -m trainer`` until the training loop's own
+    (``StopRequests``) take over, and again after them. Three modes, in order:
+
+    * ``exit`` (while the program imports torch and Hydra: nothing to clean up yet): one line, exit 75 at once;
+    * ``raise`` (``raising()``, start-up proper): ``StartupInterrupted`` in the main thread, interrupting whatever
+      is loading; ``python -m trainer`` releases the directory locks, destroys the process group, exits 75;
+    * ``note`` (``finishing()``, once the trainer is built): only noted, so that closing is not cut short.
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.signal: str | None = None
+        self.mode = "exit"
+
+    def install(self) -> StartupStops:
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, self._handle)
+        return self
+
+    def raising(self) -> StartupStops:
+        self.mode = "raise"
+        return self
+
+    def finishing(self) -> None:
+        self.mode = "note"
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.mode == "note":
+            if self.signal is None:
+                _say(f"rank {self.rank}: {name} received outside the training loop: the run goes on to its end")
+            self.signal = self.signal or name
+            return
+        self.signal = name
+        if self.mode == "exit":
+            _say(stopped_in_startup(self.rank, name))
+            os._exit(EXIT_STOPPED)
+        raise StartupInterrupted(name)
+
+
+def stopped_in_startup(rank: int, name: str) -> str:
+    return (f"rank {rank}: {name} received during start-up: stopped before the first step, no checkpoint needed "
+            f"(exit code {EXIT_STOPPED}; resume with checkpoint.resume=auto)")
 
 
 def _say(line: str) -> None:

@@ -98,7 +98,7 @@ class Trainer:
         self.ckpt.remove_partial()
         barrier(self.dims)
         self.resumed_from = self.maybe_resume()
-        self.stops = StopRequests(self.dims.rank)   # installed by train()
+        self.stops = StopRequests(self.dims.rank)   # installed by train(), for the whole loop
         self.stop_requested = False
         self.skipped_in_a_row = 0
         self._saved_step, self._saved_path = None, None
@@ -135,9 +135,13 @@ class Trainer:
     def train(self) -> dict:
         """Train to ``train.max_steps`` (or a stop request); the directory locks are released at the end, however
         it ends."""
+        # SIGTERM / SIGINT / SIGUSR1 from the loop's first line (opening W&B, the first validation) to its last (the
+        # logger closed): noted, acted on at the next step boundary (checkpoint, exit 75), never cutting a close short
+        self.stops.install()
         try:
             return self._train()
         finally:
+            self.stops.restore()
             self.release()
 
     def _train(self) -> dict:
@@ -158,13 +162,9 @@ class Trainer:
             summary["val_loss_start"] = self.validate(0)
         start, start_step, start_tokens = time.perf_counter(), self.step, self.tokens
         trace_step = step_from_env()
-        self.stops.install()   # SIGTERM / SIGINT / SIGUSR1: checkpoint at the next step boundary, exit 75
-        try:
-            metrics = self._run_steps(end_step, trace_step, summary)
-            if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
-                self._save_once()   # a stop request now changes nothing: this save is the last one anyway
-        finally:
-            self.stops.restore()
+        metrics = self._run_steps(end_step, trace_step, summary)
+        if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
+            self._save_once()   # a stop request now changes nothing: this save is the last one anyway
         self._finish(summary, metrics, time.perf_counter() - start, self.tokens - start_tokens)
         return summary | {"last": metrics}
 
