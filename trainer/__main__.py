@@ -17,7 +17,7 @@ from importlib import resources
 from typing import NoReturn
 
 from trainer.lifecycle import (EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, StartupInterrupted, StartupStops, TrainingError,
-                               stopped_in_startup)
+                               leave_on_signal, stopped_in_startup)
 
 # Stop signals are handled from here on (trainer.lifecycle.StartupStops): importing torch and Hydra takes
 # seconds, start-up minutes at scale, and a signal's default action would end the run with nothing said.
@@ -156,6 +156,7 @@ def _config_error(e: ConfigError, maybe_own: bool = False) -> NoReturn:
     exited 2: a launcher that ends the job at the first failed rank would otherwise kill rank 0 before it
     printed (seen under load, when rank 1 got there first)."""
     rank0 = os.environ.get("RANK", "0") == "0"
+    leave_on_signal(EXIT_CONFIG)   # torchrun's SIGTERM while we wait: leave with this error's code, in silence
     if not rank0:
         time.sleep(3)
     if rank0 or maybe_own:

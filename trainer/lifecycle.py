@@ -126,6 +126,14 @@ class StartupStops:
         raise StartupInterrupted(name)
 
 
+def leave_on_signal(code: int) -> None:
+    """For a rank already leaving with an error: a stop signal now (the launcher ending the job because another
+    rank failed) exits at once with ``code`` and says nothing more."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, lambda *_: os._exit(code))
+
+
 def stopped_in_startup(rank: int, name: str) -> str:
     return (f"rank {rank}: {name} received during start-up: stopped before the first step, no checkpoint needed "
             f"(exit code {EXIT_STOPPED}; resume with checkpoint.resume=auto)")
