@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import selfcheck
 from .gemm import _rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output, tma_ok
-from .reference import TILE, _b_group, cdiv, segment_tiles, segments
+from .reference import TILE, _b_group, cdiv, segments, tile_table
 
 _TILE = tl.constexpr(TILE)
 
@@ -141,7 +141,7 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
         config = default_variant("grouped_gemm", tma, a.device, self_check_gemm)
     cfg = _config(TILE, N, tma, config)
     _set_scratch_allocator(cfg)
-    tiles = segment_tiles(segments(tokens_per_expert, R, a.device), R, cfg["BLOCK_M"])
+    tiles = tile_table(tokens_per_expert, R, cfg["BLOCK_M"], a.device)
     grid = (tiles["row_start"].numel(), cdiv(N, cfg["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         a, b, c, sa, sb, tiles["row_start"], tiles["row_end"], tiles["expert"], R, N, K,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .reference import AMAX_FLOOR, FP8_DTYPE, TILE, cdiv, segment_tiles, segments
+from .reference import AMAX_FLOOR, FP8_DTYPE, TILE, cdiv, tile_table
 
 _FLOOR = tl.constexpr(AMAX_FLOOR)
 _TILE = tl.constexpr(TILE)
@@ -96,12 +96,17 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
 
 @triton.jit
 def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
-                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
+                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr, DENSE: tl.constexpr):
     # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense
-    # (Q_COLS = R masks the last tile), the zero-padded tile slot in tile space (Q_COLS = n·T, no mask).
+    # (Q_COLS = R masks the last tile; the tile bounds follow from t, no tile table is read), the zero-padded
+    # tile slot in tile space (Q_COLS = n·T, no mask; bounds from the table).
     t = tl.program_id(0)
-    rs = tl.load(row_start_ptr + t)
-    re = tl.load(row_end_ptr + t)
+    if DENSE:
+        rs = t * _TILE
+        re = Q_COLS
+    else:
+        rs = tl.load(row_start_ptr + t)
+        re = tl.load(row_end_ptr + t)
     offs_r = rs + tl.arange(0, _TILE)
     cols = t * _TILE + tl.arange(0, _TILE)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -178,21 +183,23 @@ def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, 
     ``tokens_per_expert``; with it, tiles restart per expert and ``qT [C,n·128]`` is in tile space, ``sT [C,n]``."""
     _check_input(x, (2,))
     R, C = x.shape
-    counts = segments(tokens_per_expert, R, x.device)
-    tiles = segment_tiles(counts, R, TILE)
-    n = tiles["row_start"].numel()
     if tokens_per_expert is None:       # rows of qT 16-byte aligned (TMA's rule), whatever R is
-        cols = R
+        n, cols = cdiv(R, TILE), R
         q = torch.empty((C, -(-R // 16) * 16), dtype=FP8_DTYPE, device=x.device)[:, :R]
-    else:
+        row_start = row_end = None
+    else:                               # the tile table (segment_tiles, memoised per counts tensor)
+        tiles = tile_table(tokens_per_expert, R, TILE, x.device)
+        row_start, row_end = tiles["row_start"], tiles["row_end"]
+        n = row_start.numel()
         cols = n * TILE
         q = torch.empty((C, cols), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((C, n), dtype=torch.float32, device=x.device)
     if n and C:
         block_c = _rows_block(C, 64)
+        table = (s, s) if row_start is None else (row_start, row_end)   # the dense kernel reads no table
         _quant_act_t_kernel[(n, cdiv(C, block_c))](
-            x, q, s, tiles["row_start"], tiles["row_end"], C, cols, x.stride(0), q.stride(0), s.stride(0),
-            BLOCK_C=block_c, POW2=pow2, HW=_hw_cast(), num_warps=4)
+            x, q, s, *table, C, cols, x.stride(0), q.stride(0), s.stride(0), BLOCK_C=block_c, POW2=pow2,
+            HW=_hw_cast(), DENSE=row_start is None, num_warps=4)
     return q, s
 
 

@@ -28,6 +28,8 @@ GEMMs (FP32 accumulation; output BF16/FP32), operands are logical views, any str
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -135,6 +137,29 @@ def segment_tiles(counts: torch.Tensor, rows: int, block: int) -> dict[str, torc
     return {"row_start": row_start.to(i32), "row_end": row_end.to(i32), "expert": e.to(i32),
             "seg_start": seg_start.to(i32), "seg_end": seg_end.to(i32), "tile_start": tile_start.to(i32),
             "tile_end": tile_end.to(i32)}
+
+
+_TILE_TABLES: OrderedDict[tuple, tuple[torch.Tensor, dict[str, torch.Tensor]]] = OrderedDict()
+
+
+def tile_table(tokens_per_expert: torch.Tensor, rows: int, block: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``segment_tiles`` of ``tokens_per_expert``, memoised for the Triton wrappers: the grouped GEMMs and the
+    128×1 quantiser of one MoE layer, forward and backward, read the same counts tensor, and each table costs
+    about 25 small kernel launches. Keyed by the tensor itself (held, so its id is not reused) and its version
+    counter (an in-place change makes a new table); the last 32 tables are kept."""
+    try:
+        key = (id(tokens_per_expert), tokens_per_expert._version, rows, block, torch.device(device))
+    except RuntimeError:      # inference tensors have no version counter
+        return segment_tiles(segments(tokens_per_expert, rows, device), rows, block)
+    hit = _TILE_TABLES.get(key)
+    if hit is not None and hit[0] is tokens_per_expert:
+        _TILE_TABLES.move_to_end(key)
+        return hit[1]
+    table = segment_tiles(segments(tokens_per_expert, rows, device), rows, block)
+    _TILE_TABLES[key] = (tokens_per_expert, table)
+    if len(_TILE_TABLES) > 32:
+        _TILE_TABLES.popitem(last=False)
+    return table
 
 
 def row_tiles(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
