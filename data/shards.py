@@ -241,7 +241,6 @@ class TokenSource:
         stop = int(pointers[last]) // size if last < len(pointers) else self._shards[k].num_tokens
         return np.asarray(self._open(k)[0][start:stop], dtype=np.int64)
 
-
     def locate(self, pos: int) -> tuple[str, int, int]:
         """Where token ``pos`` of the concatenated stream lives: ``(shard .bin path, document index in this
         dataset, position inside that document)``."""
