@@ -17,8 +17,9 @@ anything is written; a failed write (full disk, ...) removes the temp dir, names
 touches no earlier checkpoint. Old checkpoints are pruned only after a save succeeded, and never one newer
 than it (a newer dir is another timeline or damaged: left for the user).
 
-Load: ``resolve("auto")`` tries the step dir named by ``latest`` first (validated), then every ``step_*``
-dir newest first; damaged ones are skipped with a warning naming the dir and the file (if none verifies:
+Load: ``resolve("auto")`` tries the step dir named by ``latest`` first (validated; preceded by any newer dir
+completed after ``latest`` was written: a save killed before it could update ``latest``), then every
+``step_*`` dir newest first; damaged ones are skipped with a warning naming the dir and the file (if none verifies:
 one error listing them all; a damaged explicit ``checkpoint.resume`` path: an error naming the file; all
 are ``ConfigError``s, one line and exit 2 from the CLI). Verification checks
 every listed file's size and sha256 (split over the ranks; all ranks gather the results, so all pick the
@@ -158,35 +159,49 @@ class CheckpointManager:
             mine = Verdict(path, [(".", f"could not be verified ({_oneline(e)})")])
         return merge(self._all_gather(mine))
 
+    @staticmethod
+    def _completed_ns(step_dir: Path) -> int:
+        """When ``step_dir``'s save completed: its manifest's mtime (written last, before the rename); 0 if none."""
+        try:
+            return (step_dir / MANIFEST).stat().st_mtime_ns
+        except OSError:
+            return 0
+
     def _candidates(self) -> tuple[list[Path], Optional[Path], list[str]]:
-        """(step dirs to try in order, the dir ``latest`` names if valid, notes); rank 0 decides."""
+        """(step dirs to try in order, the dir ``latest`` names if valid, notes); rank 0 decides. ``latest`` first,
+        except before a newer step dir completed after ``latest`` was written (its manifest is newer): a save killed
+        between its rename and the ``latest`` update, whose complete checkpoint goes first. A newer dir completed
+        before ``latest`` was written belongs to an abandoned timeline (a roll-back): named, not used."""
         notes: list[str] = []
         dirs = list(reversed(self.step_dirs()))
         named = None
         lf = self.root / "latest"
         if lf.exists():
             try:
-                text = lf.read_text().strip()
-            except OSError as e:
-                text, why = None, f"cannot be read ({_os_error(e)})"
+                text = lf.read_bytes().decode("utf-8").strip()
+                written = lf.stat().st_mtime_ns
+            except (OSError, UnicodeDecodeError) as e:
+                text, why = None, f"cannot be read ({_os_error(e) if isinstance(e, OSError) else 'not UTF-8 text'})"
             else:
                 why = f"names {text!r}, which is not a step dir in {self.root}"
             if text and STEP_DIR.match(text) and (self.root / text).is_dir():
                 named = self.root / text
-                newer = [p.name for p in dirs if _step_of(p) > _step_of(named)]
-                if newer:
-                    notes.append(f"checkpoint.resume=auto: {lf} names {text}; the newer {', '.join(newer)} "
-                                 f"{'is' if len(newer) == 1 else 'are'} not used (point `latest` at one, or delete it "
-                                 f"to resume from the newest checkpoint that verifies)")
-                dirs = [named] + [p for p in dirs if p != named]
+                newer = [p for p in dirs if _step_of(p) > _step_of(named)]
+                unrecorded = [p for p in newer if self._completed_ns(p) > written]
+                stale = [p.name for p in newer if p not in unrecorded]
+                if stale:
+                    notes.append(f"checkpoint.resume=auto: {lf} names {text}; the newer {', '.join(stale)} "
+                                 f"{'is' if len(stale) == 1 else 'are'} older than that choice and not used (delete "
+                                 f"{'it' if len(stale) == 1 else 'them'}, or point `latest` at one)")
+                dirs = unrecorded + [named] + [p for p in dirs if p != named and p not in unrecorded]
             else:
                 notes.append(f"checkpoint.resume=auto: {lf} {why}; ignoring it")
         return dirs, named, notes
 
     def resolve(self, resume: str) -> Optional[Path]:
         """The checkpoint to resume from for ``checkpoint.resume`` (``auto`` | ``none`` | a step dir), verified
-        (collective). ``auto``: ``latest`` first, then newest first, skipping damaged ones with a warning;
-        ``None`` when there is none. A damaged explicit path raises ``DamagedCheckpointError``."""
+        (collective). ``auto``: in ``_candidates``' order, skipping damaged ones with a warning (``latest`` is
+        re-pointed at the one taken); ``None`` when there is none. A damaged explicit path raises ``DamagedCheckpointError``."""
         if resume == "none":
             return None
         if resume != "auto":
@@ -340,7 +355,7 @@ class CheckpointManager:
             return
         lf, tmp = self.root / "latest", self.root / f".latest-{os.getpid()}"
         try:
-            if lf.is_file() and lf.read_text().strip() == name:
+            if lf.is_file() and lf.read_bytes().strip() == name.encode():
                 return
             _write_synced(tmp, (name + "\n").encode())
             os.replace(tmp, lf)

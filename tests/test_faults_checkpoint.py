@@ -1,8 +1,9 @@
 """Checkpoint integrity: manifest + sha256 verified on load, damaged checkpoints skipped
-(auto) or refused (explicit path) naming the file, `latest` honoured, an unwritable checkpoint.dir caught at
+(auto) or refused (explicit path) naming the file, `latest` honoured (unless a save completed after it), an unwritable checkpoint.dir caught at
 start-up, a full disk leaving earlier checkpoints intact, no checkpoint with inf/nan, safe pruning."""
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -145,9 +146,19 @@ def test_corrupt_metadata_error_names_the_path(tmp_path, base):
 def test_latest_is_honoured_validated_and_repaired(tmp_path, base, capsys):
     ck = base.copy(tmp_path / "ck")
     mgr = CheckpointManager(ck)
-    (ck / "latest").write_text(sd(2) + "\n")            # a deliberate roll-back: honoured, newer ones named
+    latest, done_4 = ck / "latest", (ck / sd(4) / "manifest.json").stat().st_mtime_ns
+    latest.write_text(sd(2) + "\n")                     # a roll-back written after step 4's save: honoured,
+    os.utime(latest, ns=(done_4 + 10**9, done_4 + 10**9))        # the newer dir of the abandoned timeline named
     assert mgr.resolve("auto") == ck / sd(2)
-    assert f"the newer {sd(4)} is not used" in capsys.readouterr().err
+    assert f"the newer {sd(4)} is older than that choice and not used" in capsys.readouterr().err
+    latest.write_text(sd(2) + "\n")                     # a save killed between its rename and the `latest` update:
+    os.utime(latest, ns=(done_4 - 10**9, done_4 - 10**9))        # step 4 completed after `latest` was written
+    assert mgr.resolve("auto") == ck / sd(4)
+    assert f"resuming from {ck / sd(4)} instead of {sd(2)}" in capsys.readouterr().err
+    assert latest.read_text().strip() == sd(4)
+    latest.write_bytes(b"step_0000\xff\n")              # not UTF-8: ignored with a warning, then repaired
+    assert mgr.resolve("auto") == ck / sd(4)
+    assert "latest cannot be read (not UTF-8 text); ignoring it" in capsys.readouterr().err
     (ck / "latest").write_text("garbage\n")             # not a step dir: ignored, then repaired
     assert mgr.resolve("auto") == ck / sd(4)
     assert "names 'garbage'" in capsys.readouterr().err
