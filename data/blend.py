@@ -106,14 +106,21 @@ class BadDocument(ConfigError):
     """A token id outside the model's vocabulary in a training or validation window (``data.on_bad_document``)."""
 
 
-def bad_token(key: str, name: str, src, pos: int, token: int, vocab_size: int) -> str:
-    """One line naming a bad token: source, shard file, document and position (``TokenSource.locate``)."""
+def first_bad(row, vocab_size: int) -> int | None:
+    """Index of the first token id outside ``[0, vocab_size)`` in a window (numpy or torch), or None."""
+    bad = ((row < 0) | (row >= vocab_size)).nonzero()[0]
+    return int(bad[0]) if len(bad) else None
+
+
+def bad_token(key: str, name: str, src, pos: int, token: int, vocab_size: int) -> tuple[str, int]:
+    """(one line naming a bad token: source, shard file, document and position (``TokenSource.locate``); the
+    document, or the stream position for a source that cannot locate it)."""
     if hasattr(src, "locate"):
         shard, doc, at = src.locate(pos)
         place = f"{shard}, document {doc}, position {at}"
     else:
-        place = f"token {pos} of the stream"
-    return f"{key}: source {name}: token id {token} outside model.vocab_size={vocab_size} at {place}"
+        doc, place = pos, f"token {pos} of the stream"
+    return f"{key}: source {name}: token id {token} outside model.vocab_size={vocab_size} at {place}", doc
 
 
 class BlendedBatches:
@@ -176,15 +183,13 @@ class BlendedBatches:
         L, j = self.seq_len, sample.source
         src, w = self.sources[j], sample.window
         for _ in range(self.windows[j]):
-            bad = np.flatnonzero((row < 0) | (row >= self.vocab_size))
-            if not bad.size:
+            at = first_bad(row, self.vocab_size)
+            if at is None:
                 return row
-            pos = w * L + int(bad[0])
-            where = bad_token(self.key, self.names[j], src, pos, int(row[bad[0]]), self.vocab_size)
+            where, doc = bad_token(self.key, self.names[j], src, w * L + at, int(row[at]), self.vocab_size)
             if self.on_bad_document != "skip":
                 raise BadDocument(f"{where}; set data.on_bad_document=skip to skip the windows that hold it, or "
                                   "repair the data")
-            doc = src.locate(pos)[1] if hasattr(src, "locate") else pos
             if (j, doc) not in self._reported:
                 self._reported.add((j, doc))
                 log.warning("%s; skipped (data.on_bad_document=skip): each window holding it is replaced by the "
@@ -276,9 +281,9 @@ def _clean_val(batches, name: str, src, seq_len: int, batch_size: int, vocab_siz
         rows = torch.cat([x, y[:, -1:]], dim=1)
         bad_rows = ((rows < 0) | (rows >= vocab_size)).any(dim=1)
         for i in torch.nonzero(bad_rows).flatten().tolist():
-            at = int(torch.nonzero((rows[i] < 0) | (rows[i] >= vocab_size))[0])
-            where = bad_token("data.val_blend", name, src, (k * batch_size + i) * seq_len + at, int(rows[i, at]),
-                              vocab_size)
+            at = first_bad(rows[i].numpy(), vocab_size)
+            where, _ = bad_token("data.val_blend", name, src, (k * batch_size + i) * seq_len + at, int(rows[i, at]),
+                                 vocab_size)
             if on_bad != "skip":
                 raise BadDocument(f"{where}; set data.on_bad_document=skip to leave its windows out, or repair the data")
             log.warning("%s; its window is left out of validation (data.on_bad_document=skip)", where)

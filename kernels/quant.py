@@ -173,7 +173,8 @@ def quant_act(x: torch.Tensor, pow2: bool = False, q: torch.Tensor | None = None
     if M and K:
         block_m = _rows_block(M, 32)
         _quant_act_kernel[(cdiv(M, block_m), cdiv(K, TILE))](
-            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block_m, POW2=pow2, HW=_hw_cast(), num_warps=4)
+            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block_m, POW2=pow2, HW=_hw_cast(),
+            num_warps=4)
     return q, s
 
 
@@ -186,20 +187,19 @@ def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, 
     if tokens_per_expert is None:       # rows of qT 16-byte aligned (TMA's rule), whatever R is
         n, cols = cdiv(R, TILE), R
         q = torch.empty((C, -(-R // 16) * 16), dtype=FP8_DTYPE, device=x.device)[:, :R]
-        row_start = row_end = None
+        table = None                    # the dense kernel derives its tiles from the program id
     else:                               # the tile table (segment_tiles, memoised per counts tensor)
         tiles = tile_table(tokens_per_expert, R, TILE, x.device)
-        row_start, row_end = tiles["row_start"], tiles["row_end"]
-        n = row_start.numel()
+        table = (tiles["row_start"], tiles["row_end"])
+        n = table[0].numel()
         cols = n * TILE
         q = torch.empty((C, cols), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((C, n), dtype=torch.float32, device=x.device)
     if n and C:
         block_c = _rows_block(C, 64)
-        table = (s, s) if row_start is None else (row_start, row_end)   # the dense kernel reads no table
         _quant_act_t_kernel[(n, cdiv(C, block_c))](
-            x, q, s, *table, C, cols, x.stride(0), q.stride(0), s.stride(0), BLOCK_C=block_c, POW2=pow2,
-            HW=_hw_cast(), DENSE=row_start is None, num_warps=4)
+            x, q, s, *(table or (s, s)), C, cols, x.stride(0), q.stride(0), s.stride(0), BLOCK_C=block_c, POW2=pow2,
+            HW=_hw_cast(), DENSE=table is None, num_warps=4)
     return q, s
 
 

@@ -79,13 +79,14 @@ class Owner:
         return f"run directory {self.dir}: took over the lock of {_describe(owner)} ({why})"
 
     def _read(self) -> tuple[dict | None, float]:
+        age = 0.0                                # unknown: as fresh as can be, so nothing is taken over on a guess
         try:
             age = time.time() - self.path.stat().st_mtime
             owner = json.loads(self.path.read_text())
             return (owner if isinstance(owner, dict) else None), age
         except FileNotFoundError:
             return {}, 0.0                       # released meanwhile: free
-        except (OSError, ValueError, UnicodeDecodeError):
+        except (OSError, ValueError):            # UnicodeDecodeError is a ValueError
             return None, age
 
     def _stale(self, owner: dict | None, age: float) -> str | None:
