@@ -8,8 +8,8 @@ The public API, used by ``trainer/`` and ``tools/``; everything else is private 
 from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError,
                         NoGoodCheckpointError, NonFiniteStateError, first_nonfinite, has_state, step_dir_name,
                         verify_local)
-from .manager import CheckpointManager, write_manifest
+from .manager import HEALTH, CheckpointManager, write_manifest, written_healthy
 
-__all__ = ["CheckpointManager", "CheckpointError", "CheckpointDirError", "CheckpointWriteError",
+__all__ = ["HEALTH", "CheckpointManager", "written_healthy", "CheckpointError", "CheckpointDirError", "CheckpointWriteError",
            "DamagedCheckpointError", "NoGoodCheckpointError", "NonFiniteStateError", "first_nonfinite", "has_state",
            "step_dir_name", "verify_local", "write_manifest"]

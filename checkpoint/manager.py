@@ -55,6 +55,21 @@ from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteErro
                         _structure_problems, _warn, file_digest, first_nonfinite, merge, step_dir_name, verify_local)
 
 
+HEALTH = "health.json"   # {"healthy": bool}: the trainer's health guard when the step was saved (trainer/health.py)
+
+
+def written_healthy(step_dir: Path) -> bool:
+    """Whether ``step_dir`` was written while training was healthy: its ``health.json`` says so, or it has none
+    (the guard was off). An unreadable marker counts as unhealthy: such a checkpoint is never the one kept."""
+    p = Path(step_dir) / HEALTH
+    if not p.exists():
+        return True
+    try:
+        return json.loads(p.read_text()).get("healthy") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 # ---- the manager -------------------------------------------------------------------------------------
 def write_manifest(path: Path, step: int, digests: dict[str, tuple[int, str]] | None = None) -> None:
     """Write ``path``'s ``manifest.json`` (size and sha256 of every other file in it; ``digests``: those already
@@ -368,10 +383,32 @@ class CheckpointManager:
                       f"newest checkpoint that verifies")
 
     def _prune(self, saved: Path) -> None:
-        """Keep ``saved`` (just written and verified) and the ``keep - 1`` newest older ones; never touch a
-        dir newer than ``saved`` (another timeline after a rollback, or damaged: the user's to judge)."""
+        """Keep ``saved`` (just written and verified) and older ones, newest first, until ``keep`` of the kept ones
+        were written while healthy (``written_healthy``): a checkpoint of a diverging run never pushes out the
+        last healthy one. Never touch a dir newer than ``saved`` (another timeline after a rollback, or damaged:
+        the user's to judge)."""
         if self.keep <= 0:
             return
-        older = [p for p in reversed(self.complete()) if _step_of(p) < _step_of(saved)]
-        for p in older[self.keep - 1:]:
-            shutil.rmtree(p, ignore_errors=True)
+        healthy = 0
+        for p in [saved] + [p for p in reversed(self.complete()) if _step_of(p) < _step_of(saved)]:
+            if healthy >= self.keep:
+                shutil.rmtree(p, ignore_errors=True)
+            elif written_healthy(p):
+                healthy += 1
+
+    def newest_healthy(self, before_step: int) -> Optional[Path]:
+        """The newest checkpoint older than ``before_step`` that was written while healthy and verifies, or None
+        (collective: rank 0 lists, every rank verifies the same dirs in the same order)."""
+        dirs = None
+        if self.rank == 0:
+            try:
+                dirs = [p for p in reversed(self.complete()) if _step_of(p) < before_step and written_healthy(p)]
+            except OSError:
+                dirs = []
+        for path in self._broadcast(dirs):
+            v = self.verify(path)
+            if v.ok:
+                return path
+            if self.is_writer:
+                _warn(f"rollback: skipping damaged checkpoint {v.path}: {v.first()}")
+        return None

@@ -132,6 +132,13 @@ def _check_train(t: TrainConfig) -> None:
     _check_piecewise("train.bias_update_speed", t.bias_update_speed)
     _check_piecewise("train.mtp_loss_weight", t.mtp_loss_weight)
     _need("train.max_skipped_steps", t.max_skipped_steps, t.max_skipped_steps >= 1, ">= 1")
+    h = t.health
+    _need("train.health.patience", h.patience, h.patience >= 1, ">= 1")
+    _need("train.health.max_rollbacks", h.max_rollbacks, h.max_rollbacks >= 0, ">= 0 (0: stop at the first unhealthy streak)")
+    _need("train.health.spike_sigmas", h.spike_sigmas, _finite(h.spike_sigmas) and h.spike_sigmas > 0, "finite and > 0")
+    _need("train.health.warmup_steps", h.warmup_steps, h.warmup_steps >= 1, ">= 1")
+    _need("train.health.max_loss_over_uniform", h.max_loss_over_uniform,
+          _finite(h.max_loss_over_uniform) and h.max_loss_over_uniform > 1, "finite and > 1")
     _check_ramp(t)
     if t.ema_decay is not None:
         _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")

@@ -91,6 +91,20 @@ class BatchRamp:
 
 
 @dataclass
+class HealthConfig:
+    """The health guard (trainer/health.py): a step is unhealthy when its loss or gradient norm spikes, the model has
+    collapsed (no gradient, or the loss back at ln(vocab) after it had learned), or every token goes to the same
+    experts; ``patience`` unhealthy steps in a row roll the run back to the newest checkpoint written while healthy
+    and skip the data read since."""
+    enabled: bool = True
+    patience: int = 3                 # unhealthy steps in a row that trigger a rollback
+    max_rollbacks: int = 3            # rollbacks in one run (resumes included) before it stops with exit 3
+    spike_sigmas: float = 6.0         # a loss (log grad norm) this many running deviations above its running mean is a spike
+    warmup_steps: int = 20            # healthy steps of history before the spike and collapse rules apply
+    max_loss_over_uniform: float = 1.5  # a loss above this multiple of ln(model.vocab_size) (uniform guessing) is unhealthy from step 1
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 200              # optimizer steps; the LR schedule spans these
     stop_at_step: Optional[int] = None  # exit after this step (e.g. a job's time slice); resume continues
@@ -114,6 +128,7 @@ class TrainConfig:
     ema_decay: Optional[float] = None  # parameter EMA in CPU memory, updated in the background after each step (V3 §3.3); null = off
     memory_check: bool = True         # before building: stop with one line if the per-rank memory estimate exceeds free memory
     max_skipped_steps: int = 3        # consecutive optimizer steps skipped for a non-finite loss or gradient norm before the run stops with an error
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass

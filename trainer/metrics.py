@@ -208,6 +208,22 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
+    def rewind(self, step: int) -> None:
+        """After a rollback to ``step``: ``metrics.jsonl`` and ``eval.jsonl`` cut back to it, as on a resume (the
+        steps after it are redone; ``train.log`` keeps the lines that say why)."""
+        if not self.is_main:
+            return
+        self._file.close()
+        self._eval_file.close()
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            cut_back(self.run_dir / name, step)
+        self._file = open(self.run_dir / "metrics.jsonl", "a")
+        self._eval_file = open(self.run_dir / "eval.jsonl", "a")
+        self._last_step = step
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def _derive(self, cfg: dict, device: torch.device | None) -> None:
         """FLOPs per token, peak FLOP/s, and the simulated pipeline bubble (static per run)."""
         from models.config import ModelConfig

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from checkpoint import has_state
+from checkpoint import HEALTH, has_state
 from errors import ConfigError
 from parallel.state_dict import like, to_global, to_local
 
@@ -33,6 +34,8 @@ def state_dict(trainer) -> dict:
         rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
     extra = {"step": trainer.step, "tokens": trainer.tokens, "scheduler": {"last_epoch": trainer.scheduler.last_epoch},
              "data": trainer.batches.state_dict(), "rng": rng}
+    if trainer.health is not None:
+        extra["health"] = trainer.health.state_dict()
     state = {"model": model_sd, "optim": optim_sd, "extra": extra}
     if trainer.ema is not None:   # single-device names and global shapes, like the weights: it reshards
         ema = dict(trainer.ema.state_dict())
@@ -49,6 +52,9 @@ def resume(trainer, path: Path) -> None:
     ema_saved = ema is not None and has_state(path, "ema")
     if ema is not None and not ema_saved:
         del state["ema"]   # train.ema_decay newly set: the EMA starts from the resumed weights
+    health_saved = trainer.health is not None and has_state(path, "extra.health")
+    if trainer.health is not None and not health_saved:
+        del state["extra"]["health"]   # train.health newly on: the guard starts afresh
     trainer.ckpt.load(path, state, verify=False)
     load_weights(trainer, state["model"])
     if ema_saved:
@@ -60,6 +66,8 @@ def resume(trainer, path: Path) -> None:
     trainer.step, trainer.tokens = extra["step"], extra["tokens"]
     restore_lr(trainer, int(extra["scheduler"]["last_epoch"]))
     trainer.batches.load_state_dict(extra["data"])
+    if health_saved:
+        trainer.health.load_state_dict(extra["health"])
     torch.set_rng_state(extra["rng"]["torch"])
     random.setstate(extra["rng"]["python"])
     np.random.set_state(extra["rng"]["numpy"])
@@ -143,10 +151,13 @@ def init_weights_from(trainer, src: str) -> str:
 
 
 def checkpoint_files(trainer) -> dict[str, str]:
-    """The files a checkpoint carries beside its tensors: model config, run config, W&B run id, tokenizer."""
+    """The files a checkpoint carries beside its tensors: model config, run config, W&B run id, tokenizer, and
+    (health guard on) whether it was written while healthy (never pruned in favour of unhealthy ones)."""
     cfg = trainer.cfg
     files = {"model_config.yaml": yaml.safe_dump(dataclasses.asdict(cfg.model), sort_keys=False),
              "config.yaml": OmegaConf.to_yaml(OmegaConf.structured(cfg))}
+    if trainer.health is not None:
+        files[HEALTH] = json.dumps({"healthy": trainer.health.streak == 0, "step": trainer.step}) + "\n"
     run_id = getattr(getattr(trainer, "logger", None), "run_id", None)   # rank 0's W&B run id: a resume continues it
     if run_id:
         files[RUN_ID_FILE] = run_id + "\n"

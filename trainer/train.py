@@ -19,6 +19,7 @@ from parallel.zero import NonFiniteGradients, build_optimizer
 
 from . import run_state
 from .ema import ParamEMA
+from .health import HealthGuard
 from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failure
 from .lr_schedule import lr_multiplier
 from .metrics import rank_memory
@@ -95,6 +96,9 @@ class Trainer:
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
         # data.val_blend: val_sources holds the validation batches per source
         self.batches, self.val, self.val_sources = open_data(cfg, self.dims, self.corpus)
+        m = cfg.model
+        self.health = HealthGuard(t.health, m.vocab_size, m.n_routed_experts / m.n_activated_experts
+                                  if m.first_k_dense < m.n_layers else None) if t.health.enabled else None
         self.ckpt.remove_partial()
         barrier(self.dims)
         self.resumed_from = self.maybe_resume()
@@ -176,6 +180,8 @@ class Trainer:
         while self.step < end_step:
             metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
             self.beat()
+            if self.check_health(metrics):   # rolled back: this step's timeline is abandoned
+                continue
             if self.stop_requested:   # every rank agreed on it in this step's check
                 self.logger.log_step(metrics, self._last_load)
                 path = self._save_once()
@@ -217,6 +223,56 @@ class Trainer:
             self.logger.write(f"checkpoint saved: {self._saved_path} (step {self.step}, "
                               f"{time.perf_counter() - t0:.1f} s)")
         return self._saved_path
+
+    def check_health(self, metrics: dict) -> bool:
+        """The health guard's verdict on a finite step (trainer/health.py), in ``metrics`` and the log; after
+        ``train.health.patience`` unhealthy steps in a row, logs the step and rolls back (returns True)."""
+        if self.health is None or metrics.get("skipped"):
+            return False
+        why = self.health.check(metrics)
+        metrics |= {"unhealthy": why is not None, "rollbacks": self.health.rollbacks}
+        if why is None:
+            return False
+        h = self.cfg.train.health
+        self.logger.write(f"step {self.step}: unhealthy: {why} ({self.health.streak} in a row; a rollback at "
+                          f"train.health.patience={h.patience})")
+        if self.health.streak < h.patience:
+            return False
+        self.logger.log_step(metrics, self._last_load)
+        self.roll_back()
+        return True
+
+    def roll_back(self) -> None:
+        """Back to the newest checkpoint written while healthy, keeping the data position: the data read since
+        is skipped. The target is saved again at once with that position and the guard's record, so a resume
+        skips the same data. Stops the run (exit 3) after ``train.health.max_rollbacks`` or without a target."""
+        h, g, bad = self.cfg.train.health, self.health, self.step
+        with self.phase("rollback: finding a healthy checkpoint", step=bad):
+            target = self.ckpt.newest_healthy(before_step=bad)
+        if g.rollbacks >= h.max_rollbacks:
+            where = f"checkpoint.resume={target}" if target else "none is left; start afresh"
+            raise TrainingError(
+                f"step {bad}: training is unhealthy again after {g.rollbacks} rollback(s) (train.health."
+                f"max_rollbacks={h.max_rollbacks}; skipped the data of steps {_windows(g.skipped)}); lower optim.lr "
+                f"or check the data, and resume from the newest checkpoint written while healthy ({where})")
+        if target is None:
+            raise TrainingError(
+                f"step {bad}: training is unhealthy ({g.streak} steps in a row) and no checkpoint written while "
+                f"healthy is left in {self.ckpt.root} to roll back to (checkpoint.every="
+                f"{self.cfg.checkpoint.every}); lower optim.lr or check the data, and save more often")
+        position, record = self.batches.state_dict(), (g.rollbacks + 1, g.skipped)
+        if self.ema is not None:
+            self.ema.wait()   # its background fold must not race the load
+        with self.phase("rollback: loading the checkpoint", step=bad):
+            run_state.resume(self, target)
+        self.batches.load_state_dict(position)   # the data of the abandoned steps is not read again
+        g.streak, g.rollbacks, g.skipped = 0, record[0], record[1] + [[self.step + 1, bad]]
+        self.opt.zero_grad()
+        self.logger.rewind(self.step)
+        self.logger.write(f"step {bad}: rolled back to step {self.step} ({target}), skipping the data of steps "
+                          f"{self.step + 1}-{bad}; rollback {g.rollbacks} of at most {h.max_rollbacks}")
+        self._saved_step = None
+        self._save_once()   # the target again, with the new data position and the guard's record
 
     def check_step(self, sums: torch.Tensor) -> list[int]:
         """One reduction per step, before the update: the ranks whose loss or gradients hold inf/nan, and
@@ -429,6 +485,14 @@ class Trainer:
             if hasattr(moe.dispatcher, "stats"):
                 moe.dispatcher.stats.reset()
         return float(sum(losses) / max(len(losses), 1))
+
+
+def _windows(skipped: list) -> str:
+    """``[[2, 4], [2, 4], [9, 11]]`` -> ``2-4 (x2), 9-11``."""
+    seen = {}
+    for a, b in skipped:
+        seen[(a, b)] = seen.get((a, b), 0) + 1
+    return ", ".join(f"{a}-{b}" + (f" (x{n})" if n > 1 else "") for (a, b), n in seen.items()) or "none"
 
 
 def _fmt(x) -> str:

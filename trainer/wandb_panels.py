@@ -18,6 +18,7 @@ Panels are grouped by the metric name's prefix (W&B makes one section per prefix
                bubble_simulated (the simulator on the same action lists with the step's measured costs),
                bubble_unit_costs (the schedule alone: largest bubble / makespan with F = b = W = 1, no
                overlap, no p2p latency; logged once, also in the summary)
+  health/      unhealthy (the health guard's verdict on the step, trainer/health.py), rollbacks (so far)
   memory/      peak_gb_max / peak_gb_min / peak_rank over ranks, rank<r>_peak_gb (worlds <= 64):
                CUDA ``max_memory_allocated``, on CPU the process's peak RSS
                state_{params,grads,master,optim}_gb: the training state rank 0 holds (optimizer accounting,
@@ -63,6 +64,8 @@ def panel_name(key: str) -> str:
         return "data/tokens_" + key[7:]
     if key == "skipped_windows":
         return "data/skipped_windows"
+    if key in ("unhealthy", "rollbacks"):
+        return "health/" + key
     return f"train/{key}"
 
 
@@ -117,11 +120,20 @@ class WandbPanels:
         self._load_sum: list[torch.Tensor] | None = None
         self._load_from = start_step + 1
         self._static_logged = False
+        self._max_step = start_step   # W&B drops (with a warning line each) what is logged to an earlier step
+
+    def _log(self, values: dict, step: int) -> None:
+        """After a rollback the trainer redoes steps that W&B already has: those keep their first values there
+        (``metrics.jsonl`` holds the redone ones); W&B gets rows again from the first step past them."""
+        if step >= self._max_step:
+            self._max_step = step
+            self.run.log(values, step=step)
 
     def log_step(self, row: dict, loads: list[torch.Tensor], step_tokens: int) -> None:
         """Log a ``metrics.jsonl`` row; ``loads``: tokens per expert of each MoE layer; ``step_tokens``: the
         step's tokens."""
-        self.run.log(self._row(row, loads, step_tokens), step=row["step"])
+        if row["step"] >= self._max_step:
+            self._log(self._row(row, loads, step_tokens), row["step"])
 
     def _row(self, row: dict, loads: list[torch.Tensor], step_tokens: int) -> dict:
         out = {}
@@ -154,7 +166,7 @@ class WandbPanels:
         return wandb.Image(img)
 
     def log_eval(self, step: int, val_loss: float, per_source: dict[str, float]) -> None:
-        self.run.log({"val/loss": val_loss} | {panel_name(k): v for k, v in per_source.items()}, step=step)
+        self._log({"val/loss": val_loss} | {panel_name(k): v for k, v in per_source.items()}, step)
 
     def update_summary(self, values: dict) -> None:
         self.run.summary.update(values)
