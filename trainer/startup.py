@@ -179,4 +179,6 @@ def open_logger(trainer) -> MetricsLogger:
             logger.write(line)
     if trainer.resumed_from:
         logger.write(f"resumed from {trainer.resumed_from} at step {trainer.step}")
+        if getattr(trainer, "config_changes", None):
+            logger.write(trainer.config_changes)
     return logger

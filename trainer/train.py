@@ -70,6 +70,8 @@ class Trainer:
                 self.owners.append(Owner(self.ckpt.root, "checkpoint.dir"))
                 self.owners[-1].acquire(self.dims)
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
+        # Keys that cannot change within a run (the model, the seed, the token stream) refused now, the others listed
+        self.config_changes = run_state.config_changes(cfg, self._resume_path) if self._resume_path else None
         # Before anything big is built: the estimate vs free memory (trainer/memory_plan.py).
         self.memory_note = preflight_all_ranks(cfg, self.dims, self.device) if t.memory_check else ""
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
