@@ -1,7 +1,8 @@
 """A full disk anywhere the trainer writes is one line naming the file, what it held and what to do, exit 2, no
 traceback, no checkpoint lost: the run dir's files (metrics.jsonl, eval.jsonl, train.log, config.yaml: real ENOSPC
 from a link to /dev/full), its lock, the W&B run, and data.cache_dir (the tokenizer, the token arrays, datasets'
-Arrow cache; a real full tmpfs where the machine lets the test mount one). Checkpoint saves: test_faults_checkpoint.py."""
+Arrow cache; a real full tmpfs where the machine lets the test mount one). Checkpoint saves:
+test_faults_checkpoint.py."""
 import errno
 import os
 import subprocess

@@ -160,6 +160,10 @@ def test_config_changes_lists_what_may_change_and_refuses_what_may_not(tmp_path)
                             make_config("train.max_steps=10", "data.seq_len=64", "train.seed=7"), ck).value)
     assert "written with data.seq_len=128, this run has data.seq_len=64 (also train.seed: 0 -> 7)" in msg, msg
     assert "optim.lr" not in msg   # the keys that may change are not part of the refusal
+    # data.blend is checked by content where it opens (BlendedBatches): a source moved elsewhere is listed, not refused
+    blend = fake_checkpoint(tmp_path / "blend" / "step_00000004", "data.blend=[{path: /a/web, weight: 0.5}]")
+    assert config_changes(make_config("data.blend=[{path: /b/web, weight: 0.5}]"), blend) == \
+        f"config changed since {blend}: data.blend[0].path: /a/web -> /b/web"
     (ck / "config.yaml").unlink()   # a converted checkpoint (model_config.yaml only): the model check alone
     assert config_changes(make_config("optim.lr=0.001"), ck) is None
 

@@ -56,7 +56,8 @@ class Owner:
         """Take the lock; returns a warning line when a stale one was taken over. Raises ``ConfigError`` (one
         line, naming the owner) when another live run holds it."""
         with self._writing():
-            self.dir.mkdir(parents=True, exist_ok=True)   # the run directory (checkpoint.dir: created by its writability check)
+            # the run directory (checkpoint.dir: created by its writability check)
+            self.dir.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
