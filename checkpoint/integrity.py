@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno as errno_mod
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from errors import ConfigError
+from errors import os_error as _os_error
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -115,12 +115,6 @@ def _digests(root: Path, names: list[str]) -> dict[str, tuple[int, str]]:
 def _oneline(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _os_error(e: OSError) -> str:
-    code = errno_mod.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
-    where = e.filename if e.filename is not None else "?"
-    return f"{where}: errno {e.errno} ({code}: {e.strerror or e})"
 
 
 def _structure_problems(path: Path) -> list[tuple[str, str]]:

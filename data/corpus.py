@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import ConfigError
+from errors import ConfigError, disk_error, write_error, writing
 
 from .tokenizer import encode, find_eos_id, load_tokenizer, train_bpe, wrap_tokenizer
 
@@ -34,6 +34,13 @@ _CACHE_VERSION = "data-v1"
 _BATCH_DOCS = 1024
 _LISTED = 10          # unsupported files named in the warning / error; the rest are counted
 log = logging.getLogger(__name__)
+CACHE_FIX = ("Free space there or set data.cache_dir to a disk with room (the cache is rebuilt from the data); "
+             "nothing was trained")
+
+
+def cache_writing(path: Path, what: str):
+    """``errors.writing`` for a file in ``data.cache_dir``: an OSError inside is one line, exit 2."""
+    return writing("data.cache_dir", path, what, CACHE_FIX)
 
 
 @dataclass
@@ -162,6 +169,9 @@ def load_sources(kind, files, text_field, cache_dir: Path):
                                                   cache_dir=str(cache_dir / "hf_datasets"), **kw),
                             "text" if builder == "text" else text_field))
         except Exception as e:  # noqa: BLE001 - malformed json/parquet: report against data.path
+            if disk_error(e) is not None:   # datasets writes its Arrow cache under data.cache_dir
+                raise write_error("data.cache_dir", cache_dir / "hf_datasets", "the datasets cache of data.path",
+                                  CACHE_FIX, disk_error(e)) from e
             c = e.__cause__ or e
             raise ConfigError(f"data.path: cannot read {group[0]}{' ...' if len(group) > 1 else ''} as {builder}: "
                               f"{type(c).__name__}: {(str(c).splitlines() or [''])[0]}") from e
@@ -221,7 +231,8 @@ def _tokenizer(tok_name, vocab_size: int, cache_dir: Path, corpus_key: str, docs
         tok_file = cache_dir / f"tokenizer-{_sha(corpus_key, vocab_size, 'bytelevel-bpe')}.json"
         if not tok_file.exists():
             text = train_bpe(_train_docs(*docs()), vocab_size)
-            atomic_write(tok_file, lambda f: f.write(text.encode()))
+            with cache_writing(tok_file, "the byte-level BPE trained on the corpus"):
+                atomic_write(tok_file, lambda f: f.write(text.encode()))
         tokenizer, tok_id = wrap_tokenizer(str(tok_file)), hashlib.sha256(tok_file.read_bytes()).hexdigest()
         return tokenizer, tok_id, f"byte-level BPE trained on this corpus ({tok_file})"
     return *load_tokenizer(str(tok_name)), str(tok_name)
@@ -253,7 +264,8 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: {val_fraction} must be in [0, 1)")
     cache_dir = Path(os.path.expanduser(str(getattr(data_cfg, "cache_dir", None) or ".cache/data")))
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    with cache_writing(cache_dir, "the directory of the tokenized corpus"):
+        cache_dir.mkdir(parents=True, exist_ok=True)
     kind, files, fingerprint = resolve_source(getattr(data_cfg, "path", None))
     corpus_key = _sha(_CACHE_VERSION, kind, fingerprint, text_field if kind != "default" else None, val_fraction)
     docs = cache(lambda: _load_docs(data_cfg, kind, files, text_field, val_fraction, cache_dir))   # read if needed
@@ -272,10 +284,12 @@ def load_corpus(data_cfg, vocab_size: int) -> Corpus:
     if not cache_hit:
         arrays = _tokenize(tokenizer, eos_id, *docs())
         for split, p in paths.items():
-            atomic_write(p, lambda f, a=arrays[split]: np.save(f, a))
+            with cache_writing(p, f"the tokenized corpus ({split} split, {len(arrays[split]):,} tokens)"):
+                atomic_write(p, lambda f, a=arrays[split]: np.save(f, a))
         info = {"train_tokens": len(arrays["train"]), "val_tokens": len(arrays["val"]), "eos_id": eos_id,
                 "vocab_size": len(tokenizer), "source": str(getattr(data_cfg, "path", None))}
-        atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
+        with cache_writing(meta, "the tokenized corpus's index"):   # written last: the cache hit needs it
+            atomic_write(meta, lambda f: f.write(json.dumps(info).encode()))
     train, val = (np.load(paths[s], mmap_mode="r") for s in ("train", "val"))
     seq_len = getattr(data_cfg, "seq_len", None)
     if val_fraction > 0 and seq_len and len(val) < seq_len + 1:

@@ -123,3 +123,80 @@ def test_resume_one_line_per_step_and_the_same_wandb_run(tmp_path, monkeypatch, 
     assert {saved_run_id(ck / f"step_{s:08d}") for s in (3, 7, 8)} == {run_id}
     steps = [[row["_step"] for row in read_offline_run(p)[0] if "train/loss" in row] for p in segments]
     assert steps == [[1, 2, 3, 4, 5], [4, 5, 6, 7], [8]]
+
+
+# ---- the config on resume -------------------------------------------------------------------------------------
+def fake_checkpoint(path: Path, *overrides: str) -> Path:
+    """A step dir holding only the config.yaml a save writes (config_changes reads nothing else)."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(make_config(*overrides))))
+    return path
+
+
+def test_config_changes_lists_what_may_change_and_refuses_what_may_not(tmp_path):
+    from errors import ConfigError
+    from trainer.run_state import config_changes
+    ck = fake_checkpoint(tmp_path / "step_00000004", "optim.lr=0.003", "train.max_steps=10")
+    assert config_changes(make_config("optim.lr=0.003", "train.max_steps=10"), ck) is None
+    # logging, checkpointing, the layout, the device, the stop step and the cache: meant to change, not listed
+    same = make_config("optim.lr=0.003", "train.max_steps=10", "logging.log_every=1", "checkpoint.every=2",
+                       "parallel.timeout_s=60", "train.stop_at_step=5", "data.cache_dir=/elsewhere",
+                       "logging.wandb.mode=offline", "train.device=cpu")
+    assert config_changes(same, ck) is None
+    line = config_changes(make_config("optim.lr=0.001", "train.max_steps=20", "train.precision=bf16",
+                                      "logging.log_every=1"), ck)
+    assert line == (f"config changed since {ck}: optim.lr: 0.003 -> 0.001, train.max_steps: 10 -> 20, "
+                    "train.precision: fp32 -> bf16"), line
+    for changed, first, way in [(["train.seed=7"], "train.seed: ", f"checkpoint.init_from={ck} "),
+                                (["data.seq_len=64", "train.seed=7"], "data.seq_len: ", "checkpoint.init_from="),
+                                (["data.tokenizer=/tok"], "data.tokenizer: ", "checkpoint.init_from="),
+                                (["model.n_layers=3", "optim.lr=0.001"], "model.n_layers: ", "checkpoint.resume=none")]:
+        with pytest.raises(ConfigError) as e:
+            config_changes(make_config("optim.lr=0.003", "train.max_steps=10", *changed), ck)
+        msg = str(e.value)
+        assert msg.startswith(first + f"cannot change when resuming: the checkpoint {ck} was written with ") and \
+            "\n" not in msg and way in msg, msg
+    msg = str(pytest.raises(ConfigError, config_changes,
+                            make_config("train.max_steps=10", "data.seq_len=64", "train.seed=7"), ck).value)
+    assert "written with data.seq_len=128, this run has data.seq_len=64 (also train.seed: 0 -> 7)" in msg, msg
+    assert "optim.lr" not in msg   # the keys that may change are not part of the refusal
+    # data.blend is checked by content where it opens (BlendedBatches): a source moved elsewhere is listed, not refused
+    blend = fake_checkpoint(tmp_path / "blend" / "step_00000004", "data.blend=[{path: /a/web, weight: 0.5}]")
+    assert config_changes(make_config("data.blend=[{path: /b/web, weight: 0.5}]"), blend) == \
+        f"config changed since {blend}: data.blend[0].path: /a/web -> /b/web"
+    (ck / "config.yaml").unlink()   # a converted checkpoint (model_config.yaml only): the model check alone
+    assert config_changes(make_config("optim.lr=0.001"), ck) is None
+
+
+def test_resume_cli_prints_the_changes_and_refuses_the_seed(tmp_path, one_thread):
+    """Through the CLI: the changed keys are one line of the log; a new seed is one error line, exit 2, before
+    the corpus is read; its advice (a new run directory with checkpoint.init_from) works."""
+    from .trainer_utils import run_cli
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    args = ["+exp=tiny", *SMALL, "train.eval_every=0", f"data.cache_dir={cache}", "logging.wandb.mode=disabled",
+            "logging.progress=false"]
+    run_inprocess(run, *args[1:], "train.max_steps=2")
+    step2 = run / "checkpoints" / "step_00000002"
+    proc = run_cli(*args, f"hydra.run.dir={run}", "train.max_steps=3", "optim.lr=0.001", "logging.log_every=1",
+                   "checkpoint.every=1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert f"config changed since {step2}: optim.lr: 0.003 -> 0.001, train.max_steps: 2 -> 3" in out, proc.stdout
+    assert "config changed since" in (run / "train.log").read_text()
+    step3 = run / "checkpoints" / "step_00000003"
+    for resume in ("auto", str(step2)):
+        proc = run_cli(*args, f"hydra.run.dir={run}", "train.max_steps=4", "train.seed=7",
+                       f"checkpoint.resume={resume}", f"data.cache_dir={tmp_path}/fresh-cache", timeout=300)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        err = proc.stderr.strip().splitlines()
+        ck = step3 if resume == "auto" else step2
+        assert len(err) == 1 and err[0].startswith(
+            f"error: train.seed: cannot change when resuming: the checkpoint {ck} was written with train.seed=0, "
+            "this run has train.seed=7. "), proc.stderr
+        assert f"start a new run directory with checkpoint.init_from={ck} " in err[0]
+    assert not (tmp_path / "fresh-cache").exists()   # refused before the corpus was read
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]   # the refused runs wrote nothing
+    proc = run_cli(*args, f"hydra.run.dir={tmp_path}/finetune", "train.max_steps=1", "train.seed=7",
+                   f"checkpoint.init_from={step3}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"initialised from {step3}" in proc.stdout

@@ -3,7 +3,9 @@
 Exit codes of ``python -m trainer`` (every rank):
 
     0    done (``train.max_steps`` or ``train.stop_at_step`` reached)
-    2    configuration or user error (one line naming the key, file or path)
+    2    configuration or user error (one line naming the key, file or path), including a file the run writes
+         that cannot be written (disk full, read-only: ``errors.WriteError``; a rerun fails the same way until
+         the disk is fixed; no checkpoint is touched)
     3    the run failed: too many consecutive non-finite steps, or a rank lost its peers (a collective
          timed out or a peer died); one line per rank naming the rank, group, operation and the
          pipeline action / MoE layer in progress

@@ -11,6 +11,9 @@ once. The W&B run id is chosen once per run lineage (``$WANDB_RUN_ID``, else the
 being resumed, else a new one) and written into every checkpoint (``wandb_run_id.txt``): a resumed run
 continues the same W&B run. Offline runs can be read back without network with
 ``trainer.wandb_log.read_offline_run``.
+
+Every file written here is under the run dir; a write that fails (disk full, read-only) ends the run with one
+``errors.WriteError`` line naming the file, what it held and what to do (``run_dir_writing``), exit 2.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from data import micro_batches
+from errors import writing
 from models.params import FLOPS_FORMULA, flops_per_token
 
 from .wandb_panels import WandbPanels, start_run
@@ -37,6 +41,13 @@ PEAK_FLOPS: list[tuple[str, float]] = [
 ]
 PER_RANK_LIMIT = 64   # log memory/rank<r>_peak_gb for worlds up to this size
 RUN_ID_FILE = "wandb_run_id.txt"   # in every checkpoint dir: the W&B run id of the run that wrote it
+RUN_DIR_FIX = ("Free space on its disk (or fix its permissions) and run again: checkpoint.resume=auto continues from "
+               "the newest checkpoint, which this did not touch")
+
+
+def run_dir_writing(path: Path, what: str):
+    """``errors.writing`` for a file in the run dir (``hydra.run.dir``): an OSError inside is one line, exit 2."""
+    return writing("hydra.run.dir", path, what, RUN_DIR_FIX)
 
 
 # ---- derived quantities --------------------------------------------------------------------------
@@ -135,8 +146,12 @@ def cut_back(path: Path, start_step: int) -> int:
             dropped += 1
     if dropped:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        with run_dir_writing(path, f"the lines up to step {start_step}"):
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
     return dropped
 
 
@@ -180,10 +195,10 @@ class MetricsLogger:
         self.run_id = (os.environ.get("WANDB_RUN_ID") or run_id or new_run_id()) if is_main else None
         self._file = self._eval_file = self._log = None
         if is_main:
-            self._log = open(self.run_dir / "train.log", "a")
+            self._log = self._open("train.log", "the run log")
             cut = {name: cut_back(self.run_dir / name, start_step) for name in ("metrics.jsonl", "eval.jsonl")}
-            self._file = open(self.run_dir / "metrics.jsonl", "a")
-            self._eval_file = open(self.run_dir / "eval.jsonl", "a")
+            self._file = self._open("metrics.jsonl", "the step metrics")
+            self._eval_file = self._open("eval.jsonl", "the validation losses")
         self.wandb: WandbPanels | None = None
         self.bar = None
         self._last_step = self._first_step = start_step
@@ -199,7 +214,8 @@ class MetricsLogger:
                        + ", ".join(f"{n} from {name}" for name, n in cut.items() if n) + "); those steps are redone")
         if wandb_cfg.mode != "disabled":
             summary = self.static | {"throughput/flops_formula": FLOPS_FORMULA, "throughput/peak_source": self.peak_src}
-            run = start_run(wandb_cfg, config_dict, self.run_dir, self.run_id, world_size, summary, self.write)
+            with self._wandb_writing("the W&B run"):
+                run = start_run(wandb_cfg, config_dict, self.run_dir, self.run_id, world_size, summary, self.write)
             self.wandb = WandbPanels(run, self.static, total_steps, heatmap_every or max(1, total_steps // 20),
                                      start_step)
         if progress and sys.stderr.isatty():   # a bar for terminals; log files get the plain lines
@@ -217,12 +233,26 @@ class MetricsLogger:
         self._eval_file.close()
         for name in ("metrics.jsonl", "eval.jsonl"):
             cut_back(self.run_dir / name, step)
-        self._file = open(self.run_dir / "metrics.jsonl", "a")
-        self._eval_file = open(self.run_dir / "eval.jsonl", "a")
+        self._file = self._open("metrics.jsonl", "the step metrics")
+        self._eval_file = self._open("eval.jsonl", "the validation losses")
         self._last_step = step
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()
+
+    def _open(self, name: str, what: str):
+        with run_dir_writing(self.run_dir / name, what):
+            return open(self.run_dir / name, "a")
+
+    def _append(self, f, line: str, what: str) -> None:
+        """One line to an open file of the run dir, flushed (a torn last line is dropped by ``cut_back``)."""
+        with run_dir_writing(Path(f.name), what):
+            f.write(line + "\n")
+            f.flush()
+
+    def _wandb_writing(self, what: str):
+        return writing("hydra.run.dir", self.run_dir / "wandb", what,
+                       RUN_DIR_FIX + " (or set logging.wandb.mode=disabled)")
 
     def _derive(self, cfg: dict, device: torch.device | None) -> None:
         """FLOPs per token, peak FLOP/s, and the simulated pipeline bubble (static per run)."""
@@ -263,12 +293,12 @@ class MetricsLogger:
             return
         row = metrics | self.derived(metrics)
         step = self._last_step = row["step"]
-        self._file.write(json_line(row) + "\n")
-        self._file.flush()
+        self._append(self._file, json_line(row), f"the metrics of step {step}")
         self._track(row)
         loads = [x.detach().float().cpu() for x in (expert_load or [])]
         if self.wandb is not None:
-            self.wandb.log_step(row, loads, self._step_tokens(row))
+            with self._wandb_writing(f"the W&B metrics of step {step}"):
+                self.wandb.log_step(row, loads, self._step_tokens(row))
         if self.log_every and (step % self.log_every == 0 or step >= self.total_steps):
             self.write(self._plain_line(row))
         if self.bar is not None:
@@ -308,17 +338,17 @@ class MetricsLogger:
         """``per_source``: ``{"val_loss/<name>": loss}`` of each data.val_blend source."""
         if not self.is_main:
             return
-        self._eval_file.write(json_line({"step": step, "val_loss": val_loss} | (per_source or {})) + "\n")
-        self._eval_file.flush()
+        self._append(self._eval_file, json_line({"step": step, "val_loss": val_loss} | (per_source or {})),
+                     f"the validation loss of step {step}")
         if self.wandb is not None:
-            self.wandb.log_eval(step, val_loss, per_source or {})
+            with self._wandb_writing(f"the W&B validation loss of step {step}"):
+                self.wandb.log_eval(step, val_loss, per_source or {})
 
     def write(self, line: str) -> None:
         if not self.is_main:
             return
         if self._log is not None:
-            self._log.write(line + "\n")
-            self._log.flush()
+            self._append(self._log, line, "the run log")
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -348,7 +378,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.wandb is not None:   # first: it may still write a line to train.log
-            self.wandb.close(self._last_step, self.write)
+            with self._wandb_writing("the end of the W&B run"):
+                self.wandb.close(self._last_step, self.write)
             self.wandb = None
         if self.bar is not None:
             self.bar.close()

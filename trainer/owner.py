@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from errors import ConfigError
+from errors import ConfigError, writing
 
 OWNER_FILE = ".owner.json"
 STALE_S = 900.0   # another host's lock without a heartbeat for this long is abandoned (a step at scale: < 1 min)
@@ -43,8 +43,9 @@ def _alive(pid: int) -> bool:
 class Owner:
     """The lock of one directory, held by this process (on the main rank)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, key: str = "hydra.run.dir"):
         self.dir = Path(directory)
+        self.key = key   # the config key that places the directory, for the error when the lock cannot be written
         self.path = self.dir / OWNER_FILE
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
                    "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -54,15 +55,25 @@ class Owner:
     def take(self) -> str | None:
         """Take the lock; returns a warning line when a stale one was taken over. Raises ``ConfigError`` (one
         line, naming the owner) when another live run holds it."""
-        self.dir.mkdir(parents=True, exist_ok=True)   # the run directory (checkpoint.dir: created by its writability check)
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return self._take_over()
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.me, f)
+        with self._writing():
+            # the run directory (checkpoint.dir: created by its writability check)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return self._take_over()
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self.me, f)
+            except OSError:   # a half-written lock would read as another run's for STALE_S
+                self.path.unlink(missing_ok=True)
+                raise
         self.held = True
         return None
+
+    def _writing(self):
+        return writing(self.key, self.path, "this run's lock on the directory",
+                       "Free space on its disk or fix its permissions, then run again")
 
     def _take_over(self) -> str:
         owner, age = self._read()
@@ -73,8 +84,11 @@ class Owner:
                               f"checkpoint.dir (a stale lock is taken over by itself: a dead pid on its host, or "
                               f"no heartbeat for {STALE_S:.0f} s from another host; else remove {self.path})")
         tmp = self.path.with_name(f"{OWNER_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.me))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(self.me))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
         self.held = True
         return f"run directory {self.dir}: took over the lock of {_describe(owner)} ({why})"
 

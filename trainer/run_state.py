@@ -1,4 +1,5 @@
-"""A run's checkpoint state: what a save holds, resuming from it, checkpoint.init_from, the model-config check."""
+"""A run's checkpoint state: what a save holds, resuming from it, checkpoint.init_from, the model-config check, and
+the config keys changed since the checkpoint (``config_changes``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -148,6 +149,71 @@ def init_weights_from(trainer, src: str) -> str:
     trainer.ckpt.load(path, state, verify=False)   # model only: the optimizer, step and data start fresh
     set_model_state_dict(model, to_local(state["model"]))
     return f"initialised from {path} (model weights and balancing biases; step 0, fresh optimizer)"
+
+
+# Keys that cannot change within a run: the model (the tensors' shapes and meaning), the seed (model init and the
+# data order) and the keys that define the text corpus's token stream (the saved data position indexes it). A
+# data.blend is checked by its content where the data opens (BlendedBatches.load_state_dict): a source moved to
+# another path resumes, other windows or weights are refused there.
+FIXED = ("model.", "train.seed", "data.path", "data.tokenizer", "data.text_field", "data.val_fraction", "data.seq_len")
+# Keys meant to change between attempts, not listed: where and how the run logs and saves, the layout (a
+# checkpoint reshards to any layout; the log's layout line says the new one), the device, the stop step.
+UNLISTED = ("logging.", "checkpoint.", "parallel.", "data.cache_dir", "train.stop_at_step", "train.device",
+            "train.memory_check")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    """Dotted keys of a config dict; a list of dicts of the same length elsewhere is compared item by item."""
+    if isinstance(node, dict):
+        return {k: v for key, sub in node.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
+
+
+def _diff(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    out = []
+    for k, new in now.items():
+        if k not in saved:   # a key this trainer has and the checkpoint's predates: nothing to compare
+            continue
+        old = saved[k]
+        if isinstance(old, list) and isinstance(new, list) and len(old) == len(new) and old != new \
+                and all(isinstance(x, dict) for x in old + new):
+            for i, (a, b) in enumerate(zip(old, new)):
+                out += _diff(_flat(a, f"{k}[{i}]."), _flat(b, f"{k}[{i}]."))
+        elif old != new:
+            out.append((k, old, new))
+    return out
+
+
+def _show(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def config_changes(cfg, path: Path) -> str | None:
+    """Compare ``cfg`` with the config the checkpoint ``path`` was written with (its ``config.yaml``). A change of a
+    key that cannot change within a run (``FIXED``) raises one ``ConfigError`` line naming every such key and the
+    way on; the other changes (``UNLISTED`` aside) come back as one log line ``config changed since <path>: key:
+    old -> new, ...`` (None: no change, or a checkpoint without ``config.yaml``)."""
+    try:
+        saved = _flat(yaml.safe_load((path / "config.yaml").read_text()))
+    except (OSError, yaml.YAMLError, AttributeError):   # converted or older checkpoints: model_config.yaml only
+        return None
+    changes = _diff(saved, _flat(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg)))))
+    fixed = [c for c in changes if c[0].startswith(FIXED)]
+    if fixed:
+        (k, old, new), rest = fixed[0], fixed[1:]
+        also = f" (also {', '.join(f'{k2}: {_show(o)} -> {_show(n)}' for k2, o, n in rest)})" if rest else ""
+        model = any(c[0].startswith("model.") for c in fixed)
+        way = ("start a new run (checkpoint.resume=none or another checkpoint.dir)" if model else
+               f"start a new run directory with checkpoint.init_from={path} to train on from its weights (fresh "
+               "optimizer and data order, step 0)")
+        raise ConfigError(f"{k}: cannot change when resuming: the checkpoint {path} was written with {k}={_show(old)}, "
+                          f"this run has {k}={_show(new)}{also}. The model, train.seed and the data keys that define "
+                          f"the token stream stay fixed within a run (the weights' shapes, the data position); resume "
+                          f"with the checkpoint's values, or {way}")
+    listed = [c for c in changes if not c[0].startswith(UNLISTED)]
+    if not listed:
+        return None
+    return f"config changed since {path}: " + ", ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in listed)
 
 
 def checkpoint_files(trainer) -> dict[str, str]:

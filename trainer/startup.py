@@ -15,7 +15,7 @@ from parallel.dims import ParallelDims
 from parallel.parallelize import ParallelSpec, parallelize
 from parallel.precision import Precision
 
-from .metrics import MetricsLogger, saved_run_id
+from .metrics import MetricsLogger, run_dir_writing, saved_run_id
 
 
 def barrier(dims: ParallelDims) -> None:
@@ -132,10 +132,12 @@ def startup_lines(trainer) -> list[str]:
     from models.params import count_params
     c, d, p, run_dir = trainer.cfg, trainer.dims, trainer.cfg.parallel, trainer.run_dir
     if d.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(c)))
+        with run_dir_writing(run_dir / "config.yaml", "the resolved config"):
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(c)))
         tokenizer = tokenizer_json(c, trainer.corpus)
         if tokenizer:
-            (run_dir / "tokenizer.json").write_text(tokenizer)
+            with run_dir_writing(run_dir / "tokenizer.json", "the tokenizer"):
+                (run_dir / "tokenizer.json").write_text(tokenizer)
     n = count_params(models.build(c.model, device="meta"))
     lines = [f"run dir {run_dir} (resolved config: {run_dir / 'config.yaml'})",
              f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
@@ -177,4 +179,6 @@ def open_logger(trainer) -> MetricsLogger:
             logger.write(line)
     if trainer.resumed_from:
         logger.write(f"resumed from {trainer.resumed_from} at step {trainer.step}")
+        if getattr(trainer, "config_changes", None):
+            logger.write(trainer.config_changes)
     return logger

@@ -22,7 +22,7 @@ from .ema import ParamEMA
 from .health import HealthGuard
 from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failure
 from .lr_schedule import lr_multiplier
-from .metrics import rank_memory
+from .metrics import rank_memory, run_dir_writing
 from .owner import Owner
 from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
 from .timers import StepTimers
@@ -40,7 +40,8 @@ class Trainer:
         use_offline_hub()   # data.blend never calls load_corpus; an init_from HF directory is read offline too
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with run_dir_writing(self.run_dir, "the run directory"):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.dims = dims or ParallelDims(world_size=1)
         # One owner per directory (trainer/owner.py): the run directory before anything is read or written there,
         # a checkpoint.dir outside it once it is known to be writable (_start).
@@ -67,9 +68,11 @@ class Trainer:
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
             if not self.ckpt.root.resolve().is_relative_to(self.run_dir.resolve()):
-                self.owners.append(Owner(self.ckpt.root))
+                self.owners.append(Owner(self.ckpt.root, "checkpoint.dir"))
                 self.owners[-1].acquire(self.dims)
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
+        # Keys that cannot change within a run (the model, the seed, the token stream) refused now, the others listed
+        self.config_changes = run_state.config_changes(cfg, self._resume_path) if self._resume_path else None
         # Before anything big is built: the estimate vs free memory (trainer/memory_plan.py).
         self.memory_note = preflight_all_ranks(cfg, self.dims, self.device) if t.memory_check else ""
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
