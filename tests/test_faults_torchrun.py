@@ -15,17 +15,17 @@ import pytest
 
 from trainer.lifecycle import EXIT_FAILED, EXIT_STOPPED
 
-from .test_faults_runtime import _cmd, _env, launch_ranks, wait_for_steps, workers_of
+from .test_faults_runtime import _cmd, _env, _free_port, launch_ranks, wait_for_steps, workers_of
 from .trainer_utils import ROOT
 
 JOIN_TIMEOUT_S = 5   # parallel.timeout_s of the tests where a peer never joins
 
 
-def launch(run_dir: Path, cache: Path, *launcher_args: str, steps: int = 200, overrides=(), wrap=()) -> subprocess.Popen:
+def launch(run_dir: Path, cache: Path, *launcher_args: str, overrides=(), wrap=()) -> subprocess.Popen:
     """``python -m trainer.torchrun --standalone --nproc_per_node=2 [launcher_args] [wrap] python -m trainer ...``
-    (``wrap``: a command that runs each worker's, with ``--no-python``)."""
-    worker = [*wrap, sys.executable, *_cmd(run_dir, cache, steps, *overrides)] if wrap else _cmd(run_dir, cache, steps,
-                                                                                                   *overrides)
+    for 200 steps (``wrap``: a command that runs each worker's command, with ``--no-python``)."""
+    trainer = _cmd(run_dir, cache, 200, *overrides)
+    worker = [*wrap, sys.executable, *trainer] if wrap else trainer
     return subprocess.Popen([sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc_per_node=2",
                              *launcher_args, *(["--no-python"] if wrap else []), *worker],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -116,6 +116,27 @@ def test_stop_signal_to_the_launcher_saves_and_exits_75(tmp_path, sig):
     assert not any(Path(f"/proc/{p}").exists() for p in workers), "a worker outlived the launcher"
 
 
+def test_stop_signal_during_the_rendezvous_exits_75(tmp_path):
+    """``--nnodes=2`` with one node: SIGTERM while the agent waits for the other; no worker to forward to."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "trainer.torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=early", "--rdzv-conf=join_timeout=60",
+           *_cmd(tmp_path / "run", tmp_path / "cache", 3)]
+    tr = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while True:   # the agent hosts the rendezvous store: it waits in the rendezvous once that port answers
+        assert tr.poll() is None and time.monotonic() - t0 < 60, tr.communicate()
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    tr.send_signal(signal.SIGTERM)
+    _, err = finish(tr, timeout=60)
+    assert tr.returncode == EXIT_STOPPED, err[-3000:]
+    assert last_line(err) == f"torchrun: SIGTERM received before the workers started: stopped (exit {EXIT_STOPPED})"
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
 # ---- peers that never join ------------------------------------------------------------------------------------
 def test_worker_that_never_joins_is_named(tmp_path):
     """Rank 1 hangs before ``init_process_group`` (a wrapper that sleeps): rank 0 names it after
@@ -148,9 +169,7 @@ def test_rank_that_never_starts_is_named_srun_style(tmp_path, present):
 
 def test_node_that_never_joins_the_rendezvous_is_named(tmp_path):
     """``--nnodes=2`` with one node: the agent's rendezvous times out (``join_timeout``); one line, exit 3."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     cmd = [sys.executable, "-m", "trainer.torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=alone", "--rdzv-conf=join_timeout=3",
            *_cmd(tmp_path / "run", tmp_path / "cache", 3)]

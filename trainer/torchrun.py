@@ -21,8 +21,8 @@ limit, ``--signal=USR1@<s>``) are forwarded, as they are, to every worker, which
 checkpoint and exits 75 (``trainer/lifecycle.py``); the launcher keeps waiting and exits 75 with one line.
 Stock torchrun forwards SIGTERM but then raises ``SignalException`` (a traceback, exit 1) and SIGKILLs the
 workers still saving after ``--shutdown-timeout`` (30 s); SIGUSR1 is not among its signals at all, so it
-ends the launcher and leaves the workers running. A stop signal while no worker runs (the rendezvous, or
-after they ended) ends the launcher with exit 75 at once. These two signals are the launcher's own whatever
+ends the launcher and leaves the workers running. A stop signal before the workers started (the
+rendezvous) ends the launcher with exit 75 at once. These two signals are the launcher's own whatever
 ``--signals-to-handle`` lists (the others there stay torch's: SIGINT, SIGHUP, SIGQUIT by default), except
 where they are ignored when it starts (``tools/slurm/train.sbatch``: SLURM signals the workers directly
 there, and a forwarded copy would be a second one).
@@ -129,14 +129,14 @@ class ExitWatch:
                     continue
             except ChildProcessError:   # reaped by the agent since the last look
                 pass
-            self.ended[pid] = now
+            self.ended.setdefault(pid, now)
         self.alive = alive
 
 
 class Stops:
     """SIGTERM / SIGUSR1 to the launcher: forwarded to every running worker (``signal``: the first one's name).
-    With no worker running (the rendezvous, or after the workers ended) it raises torch's ``SignalException``,
-    as torch's own handler does: the agent sends the signal to any worker it has just started, and ends."""
+    Before any worker started (the rendezvous) it raises torch's ``SignalException``, as torch's own handler
+    does: the agent sends the signal to any worker it has just started, and ends."""
 
     def __init__(self, watch: ExitWatch):
         self.watch = watch
@@ -144,13 +144,14 @@ class Stops:
 
     def install(self, args) -> Stops:
         """Take the stop signals from torch (``--signals-to-handle``), except those ignored at start."""
-        mine = [s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
-        for s in mine:
-            signal.signal(s, self._handle)
-        rest = [n.strip() for n in args.signals_to_handle.split(",") if n.strip() not in {s.name for s in STOP_SIGNALS}]
+        for s in STOP_SIGNALS:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                signal.signal(s, self._handle)
+        names = [n.strip() for n in args.signals_to_handle.split(",")]
+        rest = [n for n in names if n and n not in {s.name for s in STOP_SIGNALS}]
         # An empty list makes torch log a traceback per empty name; SIGHUP's default action would end the
         # launcher and leave its workers running, so torch handling it is the harmless choice.
-        args.signals_to_handle = ",".join(n for n in rest if n) or "SIGHUP"
+        args.signals_to_handle = ",".join(rest) or "SIGHUP"
         return self
 
     def _handle(self, signum: int, frame) -> None:
@@ -164,7 +165,7 @@ class Stops:
                 sent += 1
             except ProcessLookupError:
                 pass
-        if not sent:
+        if not sent and not self.watch.ended:
             raise SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(signum))
 
 
@@ -221,12 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        watch.look()
         first = first_failure(e.failures, watch.ended, closed)
         if first is None:
             why = f"{stops.signal} received and forwarded: " if stops.signal else ""
-            print(f"torchrun: {why}the {len(e.failures)} worker(s) saved a checkpoint and stopped (exit {EXIT_STOPPED}); "
-                  "resume with checkpoint.resume=auto", file=sys.stderr)
+            print(f"torchrun: {why}the {len(e.failures)} worker(s) saved a checkpoint and stopped "
+                  f"(exit {EXIT_STOPPED}); resume with checkpoint.resume=auto", file=sys.stderr)
             return EXIT_STOPPED
         rank, failure = first
         code = failure.exitcode
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as e:
         if e.sigval not in STOP_SIGNALS:   # torch's own signals (SIGINT, SIGHUP, SIGQUIT): torch's answer
             raise
-        print(f"torchrun: {e.sigval.name} received with no worker running: stopped (exit {EXIT_STOPPED})",
+        print(f"torchrun: {e.sigval.name} received before the workers started: stopped (exit {EXIT_STOPPED})",
               file=sys.stderr)
         return EXIT_STOPPED
     except RendezvousTimeoutError:
