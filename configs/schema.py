@@ -34,7 +34,7 @@ class ParallelConfig:
     zero_backend: str = "native"  # native (parallel/zero) | deepspeed (DeepSpeed's ZeRO-1/2 optimizer; pp = 1)
     zero_bucket_mb: float = 32.0  # gradient reduce-scatter / parameter all-gather bucket size (native)
     ep_dispatcher: str = "hierarchical"  # hierarchical (node-limited, 2-stage) | alltoall (flat)
-    timeout_s: int = 600        # collective timeout (s, > 0); a hung peer raises an error naming rank and layer
+    timeout_s: int = 600        # collective timeout and the wait for all ranks to join (s, > 0)
     pp_layout: Optional[list[int]] = None  # layers per pipeline stage; None = even split (extra to the middle)
     overlap: bool = True        # DualPipe/DualPipeV F&B: interleave forward and backward pieces around the expert all-to-alls, where there are some (ep > 1; parallel.parallelize.fb_overlap, docs/pipeline.md)
     fp8_dispatch: bool = False  # MoE dispatch sends tokens as FP8 (E4M3, pow2 1x128 scales); combine stays BF16

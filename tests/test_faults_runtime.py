@@ -41,14 +41,16 @@ def _env(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **extra}
 
 
-def launch_ranks(run_dir: Path, cache: Path, world: int, steps: int, *overrides: str) -> list[subprocess.Popen]:
-    """One process per rank, rendezvous through the environment (how ``srun`` starts a job)."""
+def launch_ranks(run_dir: Path, cache: Path, world: int, steps: int, *overrides: str,
+                 only: list[int] | None = None) -> list[subprocess.Popen]:
+    """One process per rank, rendezvous through the environment (how ``srun`` starts a job); ``only``: start
+    just these ranks (the others never arrive)."""
     port = _free_port()
     return [subprocess.Popen([sys.executable, *_cmd(run_dir, cache, steps, *overrides)], cwd=ROOT,
                              env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                                       RANK=str(r), LOCAL_RANK=str(r)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for r in range(world)]
+            for r in (range(world) if only is None else only)]
 
 
 def launch_torchrun(run_dir: Path, cache: Path, world: int, steps: int, *overrides: str) -> subprocess.Popen:

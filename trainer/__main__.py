@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import socket
 import sys
 import time
 import traceback
@@ -17,7 +18,7 @@ from importlib import resources
 from typing import NoReturn
 
 from trainer.lifecycle import (EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, StartupInterrupted, StartupStops, TrainingError,
-                               leave_on_signal, stopped_in_startup)
+                               ignore_stops, leave_on_signal, stopped_in_startup)
 
 # Stop signals are handled from here on (trainer.lifecycle.StartupStops): importing torch and Hydra takes
 # seconds, start-up minutes at scale, and a signal's default action would end the run with nothing said.
@@ -53,19 +54,71 @@ def _init_distributed(cfg):
                         timeout_s=p.timeout_s)
     if world > 1:
         from datetime import timedelta
-        try:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=p.timeout_s))
-        except dist.DistNetworkError as e:
-            if "EADDRINUSE" not in str(e):
-                raise
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-            raise ConfigError(
-                f"rank {rank}: the rendezvous address {where} (MASTER_ADDR:MASTER_PORT) is already in use, by "
-                "another job on this node or a run still exiting; set MASTER_PORT to a free port "
-                "(tools/slurm/train.sbatch derives it from the job id: 20000 + id % 20000)") from None
+        store = _join(rank, world, p.timeout_s)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=p.timeout_s))
         dims.build_groups(device.type)
     return dims, device
+
+
+def _join(rank: int, world: int, timeout_s: int):
+    """The store the process group forms on (torch's ``env://`` rendezvous: ``MASTER_ADDR:MASTER_PORT``,
+    hosted by rank 0, or under torchrun by its agent), once every rank has reached it. Torch's own wait there
+    ends in a traceback that counts the ranks missing at best; here a rank that waited ``parallel.timeout_s``
+    for the others raises ``TrainingError`` naming them, or the store's address when it never answered."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not (port or "").isdigit():
+        raise ConfigError(f"rank {rank}: WORLD_SIZE={world} needs MASTER_ADDR and MASTER_PORT (the rendezvous "
+                          f"address), got {host!r} and {port!r}: start the ranks with torchrun or srun "
+                          "(tools/slurm/train.sbatch)")
+    where = f"{host}:{port} (MASTER_ADDR:MASTER_PORT)"
+    timeout = timedelta(seconds=timeout_s)
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        # as torch's env:// rendezvous builds it, except that rank 0 does not wait for the others in here
+        store = dist.TCPStore(host, int(port), world, is_master=hosts, timeout=timeout, wait_for_workers=False,
+                              multi_tenant=True)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" in str(e):
+            raise ConfigError(
+                f"rank {rank}: the rendezvous address {where} is already in use, by another job on this node or a "
+                "run still exiting; set MASTER_PORT to a free port (tools/slurm/train.sbatch derives it from the "
+                "job id: 20000 + id % 20000)") from None
+        if hosts or "timed out" not in str(e):
+            raise
+        raise TrainingError(
+            f"rank {rank}: the rendezvous store at {where}, hosted by rank 0 (or by torchrun's agent), did not "
+            f"answer within {timeout_s} s (parallel.timeout_s): rank 0 did not start, or hangs before it; see its "
+            "log, and check that this host reaches that address") from None
+    # one key per rank, per torchrun restart (the agent's store outlives its workers)
+    joined = dist.PrefixStore(f"dsv3/joined/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    joined.set(str(rank), socket.gethostname())
+    try:
+        joined.wait([str(r) for r in range(world)], timeout)
+    except dist.DistStoreError:
+        missing = [r for r in range(world) if not joined.check([str(r)])]
+        if not missing:   # they arrived just now
+            return store
+        raise TrainingError(
+            f"rank {rank}: {_ranks(missing)} of {world} did not join the process group at {where} within "
+            f"{timeout_s} s (parallel.timeout_s): not started, or hanging before it; see their logs"
+        ) from None
+    return store
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` / ``ranks 1, 4-7``: sorted ranks, runs as ranges."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(a[0]) if len(a) == 1 else f"{a[0]}-{a[-1]}" for a in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def _shared_run_dir(run_dir: str, dims) -> str:
@@ -107,6 +160,8 @@ def main(dcfg: DictConfig) -> None:
             trainer = Trainer(cfg, _shared_run_dir(HydraConfig.get().runtime.output_dir, dims), dims, device)
         except (ConfigError, ModelError) as e:   # a checkpoint, a HF directory, the data, the memory estimate
             _config_error(e, maybe_own=True)
+        except TrainingError as e:                # a peer that never joined the process group
+            _exit_now(f"error: {e}", EXIT_FAILED)
     except StartupInterrupted as e:   # the trainer released its directory locks on the way out
         _stop_in_startup(stops, e.signal)
     stops.finishing()   # the training loop installs its own handlers; after it, signals no longer cut closing short
@@ -127,6 +182,7 @@ def main(dcfg: DictConfig) -> None:
         del trainer           # its dispatchers, optimizer and pipeline hold process groups
         _shut_down_groups(dims)
     if summary.get("stopped"):
+        ignore_stops()
         sys.exit(EXIT_STOPPED)
     # Done: return (exit code 0). Launchers that run this function in their own process (Hydra's submitit
     # launcher) wait for its return value; a SystemExit here would leave them waiting for a result.

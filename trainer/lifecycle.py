@@ -8,7 +8,8 @@ Exit codes of ``python -m trainer`` (every rank):
          the disk is fixed; no checkpoint is touched)
     3    the run failed: too many consecutive non-finite steps, or a rank lost its peers (a collective
          timed out or a peer died); one line per rank naming the rank, group, operation and the
-         pipeline action / MoE layer in progress
+         pipeline action / MoE layer in progress; or peers never joined the process group (one line
+         naming them, after ``parallel.timeout_s``)
     75   stopped on request (SIGTERM, SIGINT or SIGUSR1): a checkpoint of the last finished step was
          written; resume with ``checkpoint.resume=auto`` (EX_TEMPFAIL: a scheduler may retry)
     130  a second SIGINT: exit at once, no checkpoint
@@ -21,7 +22,9 @@ boundary: every step the ranks agree, in the same reduction that checks for non-
 rank was asked to stop; then all of them save and exit together. Once the loop is over (``done:``), a stop
 signal is noted and the run finishes closing (W&B, process groups) and exits as it would have. SLURM sends
 SIGTERM (preemption, ``scancel``, the time limit) and, with ``--signal=USR1@<s>``, USR1 ahead of the limit;
-torchrun forwards SIGTERM/SIGINT to its workers.
+torchrun forwards SIGTERM/SIGINT to its workers, ``python -m trainer.torchrun`` SIGTERM/SIGUSR1. A rank that
+stopped and exits 75 ignores stop signals from then on (``ignore_stops``): torchrun sends SIGTERM to the ranks
+still exiting once the first has, and it must not turn their 75 into death by signal.
 """
 from __future__ import annotations
 
@@ -134,6 +137,15 @@ def leave_on_signal(code: int) -> None:
     if threading.current_thread() is threading.main_thread():
         for s in STOP_SIGNALS:
             signal.signal(s, lambda *_: os._exit(code))
+
+
+def ignore_stops() -> None:
+    """For a rank that stopped on request and now exits 75: a stop signal from here on is ignored. torchrun
+    takes the first 75 for a failure and sends the ranks still exiting SIGTERM; the interpreter's shutdown puts
+    back the default action of every signal with a Python handler (death), while an ignored one stays ignored."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 def stopped_in_startup(rank: int, name: str) -> str:

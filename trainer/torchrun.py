@@ -1,34 +1,59 @@
 """``python -m trainer.torchrun [torchrun options] -m trainer [overrides]``: torchrun, quiet when a rank fails.
 
-The same launcher (``torch.distributed.run``: same arguments, rendezvous and signal handling). When a worker
-fails, stock torchrun raises ``ChildFailedError`` out of its main: a traceback of the launcher itself and a
-report per failed rank, about 40 lines after the trainer's own one-line error, and exit code 1 whatever the
-worker's code. Nothing a worker does shortens that: writing the elastic error file (``@record``,
+The same launcher (``torch.distributed.run``: same arguments and rendezvous). When a worker fails, stock
+torchrun raises ``ChildFailedError`` out of its main: a traceback of the launcher itself and a report per
+failed rank, about 40 lines after the trainer's own one-line error, and exit code 1 whatever the worker's
+code. Nothing a worker does shortens that: writing the elastic error file (``@record``,
 ``TORCHELASTIC_ERROR_FILE``) only adds the worker's traceback to the report. This one exits with the first
 failed worker's code (2 config error, 3 failed, ...; 128 + N for a worker killed by signal N) and prints one
 line naming that worker, or nothing for a config error (rank 0 has printed it: ``trainer/__main__.py``).
+
+The first failed worker is the first to end, by time (``ExitWatch``, to about 10 ms), among those that failed
+on their own. Torch's choice is not: it stamps failures in whole seconds when its agent polls, so a worker
+killed by SIGKILL (the OOM killer) and the peer that lost its connection to it and exited 3 a moment later
+tie, and torch names the lower rank; nor is a worker that the agent itself sent SIGTERM once another had
+failed (it exits 75, 3 or -15) ever named while one that failed on its own is known. A worker that exits 75
+(stopped on request with a checkpoint) has not failed: when every worker that ended did so with 75, the
+launcher says so in one line and exits 75.
+
+Stop signals. SIGTERM and SIGUSR1 to the launcher (SLURM: preemption, ``scancel [--signal=USR1]``, the time
+limit, ``--signal=USR1@<s>``) are forwarded, as they are, to every worker, which finishes its step, saves a
+checkpoint and exits 75 (``trainer/lifecycle.py``); the launcher keeps waiting and exits 75 with one line.
+Stock torchrun forwards SIGTERM but then raises ``SignalException`` (a traceback, exit 1) and SIGKILLs the
+workers still saving after ``--shutdown-timeout`` (30 s); SIGUSR1 is not among its signals at all, so it
+ends the launcher and leaves the workers running. A stop signal before the workers started (the
+rendezvous) ends the launcher with exit 75 at once. These two signals are the launcher's own whatever
+``--signals-to-handle`` lists (the others there stay torch's: SIGINT, SIGHUP, SIGQUIT by default), except
+where they are ignored when it starts (``tools/slurm/train.sbatch``: SLURM signals the workers directly
+there, and a forwarded copy would be a second one).
 
 Also sets ``OMP_NUM_THREADS=1`` when unset: torchrun's own default, without its four-line banner.
 
 Before the agent starts, a c10d ``--rdzv_endpoint`` that something already listens on must answer as a
 rendezvous store (``check_endpoint``). Stock torchrun connects to whatever holds the port (another job, a
 service) and waits on it in silence (minutes, with nothing printed): here that is one line naming the
-endpoint, exit 2.
+endpoint, exit 2. A node that never joins the rendezvous: one line naming the endpoint and the join timeout
+(``--rdzv-conf join_timeout=<s>``), exit 3, instead of torch's ``RendezvousTimeoutError`` traceback. (A worker
+that never joins the process group is the trainer's to name: ``parallel.timeout_s``, ``trainer/__main__.py``.)
 """
 from __future__ import annotations
 
+import glob
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 
-from trainer.lifecycle import EXIT_CONFIG
+from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
 
 PROBE_S = 15.0   # how long a store that holds the endpoint has to answer
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)   # forwarded to the workers; the others stay torch's
 
 
 def check_endpoint(endpoint: str, probe_s: float = PROBE_S) -> str | None:
@@ -63,9 +88,115 @@ def check_endpoint(endpoint: str, probe_s: float = PROBE_S) -> str | None:
             "MASTER_PORT)")
 
 
+def _children() -> set[int]:
+    """PIDs of this process's children (Linux: ``/proc/<pid>/task/<tid>/children``; empty elsewhere)."""
+    pids: set[int] = set()
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(path) as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:   # the thread ended meanwhile
+            pass
+    return pids
+
+
+class ExitWatch:
+    """When each child of the launcher (the agent's workers) ended, to within about ``period`` s (``ended``:
+    pid -> ``time.monotonic()``). A daemon thread looks at every child each ``period``: ``waitid`` with
+    ``WNOWAIT`` sees a child that has ended without reaping it (the agent still collects its exit code), and
+    one that the agent has reaped since the last look is no longer a child (``ChildProcessError``): ended by
+    now at the latest."""
+
+    def __init__(self, period: float = 0.01):
+        self.period = period
+        self.ended: dict[int, float] = {}
+        self.alive: set[int] = set()
+        threading.Thread(target=self._watch, name="worker-exits", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            self.look()
+            time.sleep(self.period)
+
+    def look(self) -> None:
+        now, alive = time.monotonic(), set()
+        for pid in self.alive | _children():
+            if pid in self.ended:
+                continue
+            try:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                    alive.add(pid)
+                    continue
+            except ChildProcessError:   # reaped by the agent since the last look
+                pass
+            self.ended.setdefault(pid, now)
+        self.alive = alive
+
+
+class Stops:
+    """SIGTERM / SIGUSR1 to the launcher: forwarded to every running worker (``signal``: the first one's name).
+    Before any worker started (the rendezvous) it raises torch's ``SignalException``, as torch's own handler
+    does: the agent sends the signal to any worker it has just started, and ends."""
+
+    def __init__(self, watch: ExitWatch):
+        self.watch = watch
+        self.signal: str | None = None
+
+    def install(self, args) -> Stops:
+        """Take the stop signals from torch (``--signals-to-handle``), except those ignored at start."""
+        for s in STOP_SIGNALS:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                signal.signal(s, self._handle)
+        names = [n.strip() for n in args.signals_to_handle.split(",")]
+        rest = [n for n in names if n and n not in {s.name for s in STOP_SIGNALS}]
+        # An empty list makes torch log a traceback per empty name; SIGHUP's default action would end the
+        # launcher and leave its workers running, so torch handling it is the harmless choice.
+        args.signals_to_handle = ",".join(rest) or "SIGHUP"
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        name = signal.Signals(signum).name
+        self.signal = self.signal or name
+        sent = 0
+        for pid in _children() - self.watch.ended.keys():
+            try:
+                os.kill(pid, signum)
+                sent += 1
+            except ProcessLookupError:
+                pass
+        if not sent and not self.watch.ended:
+            raise SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals(signum))
+
+
+def first_failure(failures: dict, ended: dict[int, float], closed: set[int]) -> tuple[int, object] | None:
+    """(rank, ``ProcessFailure``) of the worker that failed first, or None when none failed (all exited 75).
+    Of the failures that are not a stop on request (75), those whose worker the agent did not end itself
+    (``closed``: the pids it sent its closing signal once one worker had failed) come first, and among them
+    the earliest to end (``ended``; torch's whole-second stamp where the watch did not see it); at the same
+    look, a worker killed by a signal before one that exited with a code (the peer that lost its connection
+    to it), then the lower rank."""
+    bad = {r: f for r, f in failures.items() if f.exitcode != EXIT_STOPPED}
+    own = {r: f for r, f in bad.items() if f.pid not in closed} or bad
+    if not own:
+        return None
+    return min(own.items(), key=lambda rf: (ended.get(rf[1].pid, math.inf), rf[1].timestamp, rf[1].exitcode >= 0,
+                                            rf[0]))
+
+
+def _join_timeout(args) -> str:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
+    if "join_timeout" in conf:
+        return f"{conf['join_timeout']} s (--rdzv-conf join_timeout)"
+    return f"{RendezvousTimeout().join.total_seconds():.0f} s (torch's default; --rdzv-conf join_timeout=<s> sets it)"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
@@ -76,23 +207,49 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
 
     # The agent's routine lines when a worker fails ("failed (exitcode: N) local_rank: ...", "Sending process
-    # N closing signal SIGTERM" to the others): the line below says which worker failed first.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-        lambda r: not str(r.msg).startswith(("failed (exitcode", "Sending process")))
+    # N closing signal SIGTERM" to the others): the line below says which worker failed first. The second
+    # names the workers the agent ends itself, which are never that one.
+    closed: set[int] = set()
+
+    def quiet(record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("Sending process") and record.args:
+            closed.add(int(record.args[0]))
+        return not msg.startswith(("failed (exitcode", "Sending process"))
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
+    watch = ExitWatch()
+    stops = Stops(watch).install(args)
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        first = first_failure(e.failures, watch.ended, closed)
+        if first is None:
+            why = f"{stops.signal} received and forwarded: " if stops.signal else ""
+            print(f"torchrun: {why}the {len(e.failures)} worker(s) saved a checkpoint and stopped "
+                  f"(exit {EXIT_STOPPED}); resume with checkpoint.resume=auto", file=sys.stderr)
+            return EXIT_STOPPED
+        rank, failure = first
         code = failure.exitcode
+        who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
         if code < 0:   # killed by a signal
             name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-            print(f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) was killed by {name}",
-                  file=sys.stderr)
+            print(f"torchrun: {who} was killed by {name}, the first to fail", file=sys.stderr)
             return 128 - code
         if code != EXIT_CONFIG:
-            print(f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) exited with {code}, "
-                  f"the first of {len(e.failures)} to fail; its output is above", file=sys.stderr)
+            n = sum(f.exitcode != EXIT_STOPPED for f in e.failures.values())
+            print(f"torchrun: {who} exited with {code}, the first of {n} to fail; its output is above", file=sys.stderr)
         return code
+    except SignalException as e:
+        if e.sigval not in STOP_SIGNALS:   # torch's own signals (SIGINT, SIGHUP, SIGQUIT): torch's answer
+            raise
+        print(f"torchrun: {e.sigval.name} received before the workers started: stopped (exit {EXIT_STOPPED})",
+              file=sys.stderr)
+        return EXIT_STOPPED
+    except RendezvousTimeoutError:
+        print(f"torchrun: the rendezvous at {args.rdzv_endpoint} (--rdzv_endpoint, run id {args.rdzv_id}) did not "
+              f"complete within {_join_timeout(args)}: fewer than --nnodes={args.nnodes} nodes joined; check that "
+              "every node's launcher started and reaches that endpoint", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 
