@@ -168,6 +168,10 @@ class LoggingConfig:
     progress: bool = True             # tqdm bar on rank 0 (only when stderr is a terminal)
     log_every: int = 10               # a plain line (step, loss, lr, grad norm, tok/s, MFU, memory, ETA) every N steps on rank 0, also in <run dir>/train.log; 0 = none
     peak_tflops: Optional[float] = None  # peak TFLOP/s per device for MFU (null: known GPUs by name, or $DSV3_PEAK_TFLOPS)
+    # Stragglers (world > 1): a rank whose compute time of a step (forward/backward less its waits in expert all-to-alls;
+    # pipeline: its compute actions) exceeds the median rank's by this share for straggler_steps steps in a row is named
+    straggler_threshold: float = 0.2
+    straggler_steps: int = 5
 
 
 @dataclass

@@ -109,6 +109,8 @@ class Trainer:
         self.stop_requested = False
         self.skipped_in_a_row = 0
         self._saved_step, self._saved_path = None, None
+        self._busy_s, self._rank_busy, self._comm_s = 0.0, None, 0.0   # this rank's compute seconds of the last step; every rank's
+        self._slow = (None, 0)   # (rank, steps in a row) over logging.straggler_threshold
 
     def beat(self) -> None:
         """The heartbeat of this run's directory locks (trainer/owner.py)."""
@@ -278,18 +280,42 @@ class Trainer:
         self._save_once()   # the target again, with the new data position and the guard's record
 
     def check_step(self, sums: torch.Tensor) -> list[int]:
-        """One reduction per step, before the update: the ranks whose loss or gradients hold inf/nan, and
-        (``self.stop_requested``) whether any rank was asked to stop."""
+        """One reduction per step, before the update: the ranks whose loss or gradients hold inf/nan,
+        (``self.stop_requested``) whether any rank was asked to stop, and (``self._rank_busy``) every rank's
+        compute seconds of the previous step (straggler metrics)."""
         w = self.dims.world_size
-        flags = torch.zeros(w + 1, device=self.device)
-        flags[self.dims.rank] = (~(torch.isfinite(sums).all() & self.opt.grads_finite())).float()
+        flags = torch.zeros(2 * w + 1 if w > 1 else w + 1, dtype=torch.float64, device=self.device)
+        flags[self.dims.rank] = (~(torch.isfinite(sums).all() & self.opt.grads_finite())).double()
         flags[w] = float(self.stops.signal is not None)
         if w > 1:
+            flags[w + 1 + self.dims.rank] = self._busy_s
             with self.phase("non-finite / stop check (world all-reduce)"):
                 torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         flags = flags.tolist()
         self.stop_requested = self.stop_requested or flags[w] > 0
+        self._rank_busy = flags[w + 1:] if w > 1 and self._busy_s > 0 else None
         return [r for r in range(w) if flags[r] > 0]
+
+    def straggler_metrics(self) -> dict:
+        """``time_rank_skew``: (slowest - median) / median of the ranks' compute seconds in the previous step, and
+        ``time_slowest_rank``; names the slowest rank once it stays over logging.straggler_threshold for
+        logging.straggler_steps steps in a row (again after it recovered)."""
+        times = self._rank_busy
+        if not times:
+            return {}
+        lg = self.cfg.logging
+        median = sorted(times)[(len(times) - 1) // 2]   # the lower one of an even count: with two ranks, the other
+        slowest = max(range(len(times)), key=times.__getitem__)
+        skew = times[slowest] / median - 1 if median > 0 else 0.0
+        rank, n = self._slow
+        n = (n + 1 if rank == slowest else 1) if skew > lg.straggler_threshold else 0
+        self._slow = (slowest, n)
+        if n == lg.straggler_steps:
+            self.logger.write(
+                f"step {self.step}: rank {slowest} is a straggler: its compute took {times[slowest]:.3g} s per step, "
+                f"{skew:.0%} over the median rank's {median:.3g} s, for {n} steps in a row (logging.straggler_"
+                f"threshold={lg.straggler_threshold:g}); see its node's load, clocks and memory")
+        return {"time_rank_skew": skew, "time_slowest_rank": slowest}
 
     def skip_step(self, bad_ranks: list[int], sums: torch.Tensor, n_micro: int, gbs: int, t0: float) -> dict:
         """A step whose loss or gradients were non-finite somewhere: no update, no LR step, no bias update
@@ -389,13 +415,22 @@ class Trainer:
                 scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
             lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()   # the host sync
             dt = time.perf_counter() - t0
+            ep, phases, pipeline = self._ep_metrics(), self.timers.read(), self._pipeline_metrics()
+            self._busy_s = self._compute_seconds(phases)
             return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                     "grad_norm": grad_norm, "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt,
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                    "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._ep_metrics(),
-                    **self.timers.read(), **self._pipeline_metrics(), **rank_memory(self.device, self.dims),
+                    "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **ep, **phases, **pipeline,
+                    **self.straggler_metrics(), **rank_memory(self.device, self.dims),
                     **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()},
                     **self._source_metrics()}
+
+    def _compute_seconds(self, phases: dict) -> float:
+        """This rank's compute in the step just done: its pipeline compute actions, else its forward/backward less
+        the time it waited in expert all-to-alls (a straggler's peers wait there for it)."""
+        if self.pipe is not None:
+            return sum(v for k, v in self.pipe.action_times().items() if k != "span")
+        return max(phases.get("time_forward_backward_s", 0.0) - self._comm_s, 0.0)
 
     def _source_metrics(self) -> dict:
         """data.blend: tokens consumed per source since start-up (all ranks; the sample order is global)."""
@@ -430,6 +465,7 @@ class Trainer:
     def _ep_metrics(self) -> dict:
         """Dispatcher counters of this step over all MoE layers (summed/maxed over ranks), then reset."""
         stats = [m.dispatcher.stats for m in self.model.moe_layers() if hasattr(m.dispatcher, "stats")]
+        self._comm_s = sum(s.dispatch_s + s.combine_s for s in stats)   # this rank's own waits
         if not stats:
             return {}
         dev = self.device   # NCCL reduces device tensors only

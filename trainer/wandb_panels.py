@@ -8,6 +8,8 @@ Panels are grouped by the metric name's prefix (W&B makes one section per prefix
                mfu (against the device's peak; omitted when the peak is unknown, e.g. on CPU)
   time/        <phase>_s: seconds of each phase of the step (forward_backward, gradient_reduction,
                gradient_reduction_and_optimizer_step, expert_load_all_reduce; trainer/timers.py)
+               rank_skew, slowest_rank (world > 1): (slowest - median) / median of the ranks' compute seconds
+               in the previous step, and which rank (Trainer.straggler_metrics)
   experts/     max_over_mean (worst layer), moe<i>_max_over_mean / moe<i>_min_over_mean per MoE layer,
                moe<i>_load (histogram: tokens per expert), load_heatmap (image: MoE layer x expert,
                load / mean over the steps since the previous heatmap)
