@@ -97,7 +97,7 @@ class Hardware:
 
 H100 = Hardware(sources=(
     "gemm 700 TFLOP/s: torch BF16 matmul in the GPU suite, 671-792 TFLOP/s at M 4096-16384, N, K 2048-16384 "
-    "(docs/benchmarks.md, 2026-11-26)",
+    "(docs/benchmarks.md)",
     "grouped gemm 600 TFLOP/s: torch._grouped_mm BF16 in the suite, 574-670 TFLOP/s (32,768 token copies, D 7168)",
     "attention 300 TFLOP/s: an assumption (no attention kernel was timed); FlashAttention-2-class kernels reach "
     "~35 % of the BF16 peak at head dims 96/64",

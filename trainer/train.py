@@ -415,15 +415,18 @@ class Trainer:
                 scalars.append((loads.amax(1) / loads.mean(1).clamp_min(1e-9)).amax().reshape(1))
             lm, mtp, aux, grad_norm, *imbalance = torch.cat(scalars).tolist()   # the host sync
             dt = time.perf_counter() - t0
-            ep, phases, pipeline = self._ep_metrics(), self.timers.read(), self._pipeline_metrics()
-            self._busy_s = self._compute_seconds(phases)
             return {"step": self.step, "loss": lm, "mtp_loss": mtp, "aux_loss": aux, "lr": lr,
                     "grad_norm": grad_norm, "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt,
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
-                    "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **ep, **phases, **pipeline,
-                    **self.straggler_metrics(), **rank_memory(self.device, self.dims),
-                    **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()},
-                    **self._source_metrics()}
+                    "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._after_step_metrics()}
+
+    def _after_step_metrics(self) -> dict:
+        """A finished step's counters after its host sync: EP traffic, phase times (and this rank's compute
+        seconds for the next step's straggler check), pipeline, stragglers, memory, data sources."""
+        ep, phases, pipeline = self._ep_metrics(), self.timers.read(), self._pipeline_metrics()
+        self._busy_s = self._compute_seconds(phases)
+        return {**ep, **phases, **pipeline, **self.straggler_metrics(), **rank_memory(self.device, self.dims),
+                **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}, **self._source_metrics()}
 
     def _compute_seconds(self, phases: dict) -> float:
         """This rank's compute in the step just done: its pipeline compute actions, else its forward/backward less
