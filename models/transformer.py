@@ -17,6 +17,7 @@ from torch import nn
 from .attention import MLA
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
+from .loss import linear_cross_entropy
 from .moe import MoE
 from .steps import Steps, carrying, drive
 
@@ -139,6 +140,14 @@ def _ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten())
 
 
+def head_ce(head: nn.Module, x_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``head(x)``: a plain linear head through ``linear_cross_entropy`` (chunked, never the full
+    logits; ``models/loss.py``), any other head (FP8, a deferred-Wgrad wrapper) through its own forward and ``_ce``."""
+    if type(head) is nn.Linear and head.bias is None:
+        return linear_cross_entropy(x_BTD.flatten(0, 1), head.weight, labels_BT.flatten())
+    return _ce(head(x_BTD), labels_BT)
+
+
 @dataclass
 class Tail:
     """The loss end of the model: final norm, output head, MTP modules and the embedding MTP reads (the
@@ -177,7 +186,7 @@ def head_loss_steps(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: 
     lm, mtp, aux)`` where ``mtp`` is the mean cross-entropy over the depths (0 without MTP) and ``aux``
     has the MTP blocks' balance losses added.
     """
-    lm_loss = _ce(tail.head(tail.norm(h_BTD)), labels_BT)
+    lm_loss = head_ce(tail.head, tail.norm(h_BTD), labels_BT)
     T = input_ids_BT.shape[1]
     mtp_losses: list[torch.Tensor] = []
     h = h_BTD
@@ -187,7 +196,7 @@ def head_loss_steps(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: 
         rope = rope_cos_sin(cfg, T - k, h.device)
         module_steps = module.steps(h[:, :T - k], tail.embed(input_ids_BT[:, k:]), rope, aux)
         (h, aux), (lm_loss, *mtp_losses) = yield from carrying(module_steps, (lm_loss, *mtp_losses))
-        mtp_losses.append(_ce(tail.head(module.norm(h)), labels_BT[:, k:]))
+        mtp_losses.append(head_ce(tail.head, module.norm(h), labels_BT[:, k:]))
     if not mtp_losses:
         return lm_loss, lm_loss, lm_loss.new_zeros(()), aux
     mtp_loss = torch.stack(mtp_losses).mean()
