@@ -111,3 +111,32 @@ def test_two_runs_on_one_directory(tmp_path):
     assert first.returncode == 0, err[-3000:]
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 41))
     assert not (run / OWNER_FILE).exists()
+
+
+@pytest.mark.parametrize("lock", ["dead pid", "released"])
+def test_two_starts_taking_over_at_once_leave_one_owner(tmp_path, other_process, lock):
+    """Two runs start together on a directory whose lock is stale (a killed run's dead pid) or is released as
+    they start: the second takes it between the first's verdict and the first's own write. Exactly one may hold
+    it; the other stops with the one line naming it."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_owner(tmp_path, pid=dead.pid)
+    first, second = Owner(tmp_path), Owner(tmp_path)
+    second.me["pid"] = other_process.pid           # another live process on this host
+    read, judge = first._read, first._stale
+
+    def read_after_release():
+        if lock == "released" and not second.held:
+            (tmp_path / OWNER_FILE).unlink()       # its run ended just after the first found the file there
+        return read()
+
+    def judged_then_the_second_takes_it(owner, age):
+        why = judge(owner, age)
+        if not second.held:
+            second.take()
+        return why
+    first._read, first._stale = read_after_release, judged_then_the_second_takes_it
+    with pytest.raises(ConfigError, match=rf"in use by another run \(pid {other_process.pid} "):
+        first.take()
+    assert second.held and not first.held
+    assert json.loads((tmp_path / OWNER_FILE).read_text())["pid"] == other_process.pid

@@ -23,6 +23,7 @@ from errors import ConfigError, writing
 
 OWNER_FILE = ".owner.json"
 STALE_S = 900.0   # another host's lock without a heartbeat for this long is abandoned (a step at scale: < 1 min)
+_TRIES = 5        # exclusive creates a run tries while other runs starting at the same time take the lock
 
 
 def job_id() -> str | None:
@@ -54,54 +55,78 @@ class Owner:
     # ---- one process --------------------------------------------------------------------------------------
     def take(self) -> str | None:
         """Take the lock; returns a warning line when a stale one was taken over. Raises ``ConfigError`` (one
-        line, naming the owner) when another live run holds it."""
+        line, naming the owner) when another live run holds it. Only an exclusive create makes a holder: a stale
+        lock is moved aside first, so two runs starting together over a stale or just released lock cannot both
+        hold it."""
+        note = None
         with self._writing():
             # the run directory (checkpoint.dir: created by its writability check)
             self.dir.mkdir(parents=True, exist_ok=True)
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return self._take_over()
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(self.me, f)
-            except OSError:   # a half-written lock would read as another run's for STALE_S
-                self.path.unlink(missing_ok=True)
-                raise
-        self.held = True
-        return None
+            for _ in range(_TRIES):
+                try:
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    note = self._clear_stale() or note
+                    continue
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(self.me, f)
+                except OSError:   # a half-written lock would read as another run's for STALE_S
+                    self.path.unlink(missing_ok=True)
+                    raise
+                self.held = True
+                return note
+        raise ConfigError(f"run directory {self.dir}: could not take its lock {self.path}: other runs starting on "
+                          f"it at the same time took it {_TRIES} times; give each run its own hydra.run.dir / "
+                          "checkpoint.dir")
 
     def _writing(self):
         return writing(self.key, self.path, "this run's lock on the directory",
                        "Free space on its disk or fix its permissions, then run again")
 
-    def _take_over(self) -> str:
-        owner, age = self._read()
+    def _clear_stale(self) -> str | None:
+        """The lock file exists: raise ``ConfigError`` naming its owner if that may be running; else move it aside
+        and return the warning line (None when it went meanwhile, or when the file moved turned out to be a newer
+        lock, another run's: that one is put back)."""
+        owner, age, text = self._read()
         why = self._stale(owner, age)
         if why is None:
             raise ConfigError(f"run directory {self.dir} is in use by another run ({_describe(owner)}, heartbeat "
                               f"{age:.0f} s ago): wait for it to end, or give this run its own hydra.run.dir / "
                               f"checkpoint.dir (a stale lock is taken over by itself: a dead pid on its host, or "
                               f"no heartbeat for {STALE_S:.0f} s from another host; else remove {self.path})")
-        tmp = self.path.with_name(f"{OWNER_FILE}.{os.getpid()}")
+        if owner == {}:
+            return None
+        aside = self.path.with_name(f"{OWNER_FILE}.stale-{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(self.me))
-            os.replace(tmp, self.path)
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return None                          # another run moved it first
+        try:
+            if aside.read_text(errors="replace") != text:
+                try:
+                    os.link(aside, self.path)    # not the lock judged stale: put it back (unless a third run took it)
+                except FileExistsError:
+                    pass
+                return None
         finally:
-            tmp.unlink(missing_ok=True)
-        self.held = True
+            aside.unlink(missing_ok=True)
         return f"run directory {self.dir}: took over the lock of {_describe(owner)} ({why})"
 
-    def _read(self) -> tuple[dict | None, float]:
+    def _read(self) -> tuple[dict | None, float, str | None]:
+        """(the owner, or {} when there is no lock file, or None when it is unreadable; its heartbeat's age; the
+        file's text)."""
         age = 0.0                                # unknown: as fresh as can be, so nothing is taken over on a guess
+        text = None
         try:
             age = time.time() - self.path.stat().st_mtime
-            owner = json.loads(self.path.read_text())
-            return (owner if isinstance(owner, dict) else None), age
+            text = self.path.read_text(errors="replace")
+            owner = json.loads(text)
+            return (owner if isinstance(owner, dict) else None), age, text
         except FileNotFoundError:
-            return {}, 0.0                       # released meanwhile: free
-        except (OSError, ValueError):            # UnicodeDecodeError is a ValueError
-            return None, age
+            return {}, 0.0, None                 # released meanwhile: free
+        except (OSError, ValueError):
+            return None, age, text
 
     def _stale(self, owner: dict | None, age: float) -> str | None:
         """Why the lock is stale, or None when its owner may be running."""
@@ -131,7 +156,7 @@ class Owner:
         if not self.held:
             return
         self.held = False
-        owner, _ = self._read()
+        owner, _, _ = self._read()
         if owner and owner.get("pid") == self.me["pid"] and owner.get("host") == self.me["host"]:
             try:
                 self.path.unlink()
