@@ -30,8 +30,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         N, V = labels_N.shape[0], w_VD.shape[0]
         valid_N = labels_N != IGNORE
         scale = 1.0 / valid_N.sum().clamp_min(1).float()   # a tensor: no host sync
-        dx_ND = torch.empty_like(x_ND) if need_x else None
-        dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        dx_CD, dw_VD = [], None   # dx per chunk; dW summed in FP32 when the GEMM's dtype is narrower
         loss = torch.zeros((), dtype=torch.float32, device=x_ND.device)
         rows = max(1, CHUNK_BYTES // (4 * V))
         with torch.autocast(dev, enabled=False):   # the dtypes are explicit below
@@ -47,9 +46,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                 d_CV.scatter_add_(1, lab_C.clamp_min(0).unsqueeze(1), -torch.ones_like(lse_C).unsqueeze(1))
                 d_CV = d_CV.mul_((ok_C.float() * scale).unsqueeze(1)).to(mm)   # dlogits as the head's backward gets it
                 if need_x:
-                    dx_ND[s:s + rows] = d_CV @ w_mm
+                    dx_CD.append(d_CV @ w_mm)
                 if need_w:
-                    dw_VD += d_CV.t() @ x_CD
+                    dw = (d_CV.t() @ x_CD).float()
+                    dw_VD = dw if dw_VD is None else dw_VD.add_(dw)
+        dx_ND = None if not dx_CD else (dx_CD[0] if len(dx_CD) == 1 else torch.cat(dx_CD)).to(x_ND.dtype)
         ctx.save_for_backward(dx_ND, None if dw_VD is None else dw_VD.to(w_VD.dtype))
         return loss * scale
 
