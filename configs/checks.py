@@ -37,6 +37,11 @@ def recompute_modes() -> tuple[str, ...]:            # train.recompute
     return tuple(MODES)
 
 
+def head_losses() -> tuple[str, ...]:                # train.head_loss
+    from models.loss import HEAD_LOSSES
+    return HEAD_LOSSES
+
+
 def dispatchers() -> tuple[str, ...]:                # parallel.ep_dispatcher
     from parallel.ep.apply import DISPATCHERS
     return tuple(DISPATCHERS)
@@ -144,6 +149,7 @@ def _check_train(t: TrainConfig) -> None:
         _need("train.ema_decay", t.ema_decay, _finite(t.ema_decay) and 0 < t.ema_decay < 1, "in (0, 1), or null (off)")
     _one_of("train.precision", t.precision, precisions())
     _one_of("train.recompute", t.recompute, recompute_modes())
+    _one_of("train.head_loss", t.head_loss, head_losses())
     _one_of("train.device", t.device, DEVICES)
     if t.device == "cuda":
         import torch

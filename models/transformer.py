@@ -17,7 +17,7 @@ from torch import nn
 from .attention import MLA
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
-from .loss import linear_cross_entropy
+from .loss import ChunkedLossHead
 from .moe import MoE
 from .steps import Steps, carrying, drive
 
@@ -141,10 +141,10 @@ def _ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
 
 
 def head_ce(head: nn.Module, x_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``head(x)``: a plain linear head through ``linear_cross_entropy`` (chunked, never the full
-    logits; ``models/loss.py``), any other head (FP8, a deferred-Wgrad wrapper) through its own forward and ``_ce``."""
-    if type(head) is nn.Linear and head.bias is None:
-        return linear_cross_entropy(x_BTD.flatten(0, 1), head.weight, labels_BT.flatten())
+    """Cross-entropy of ``head(x)``: a ``ChunkedLossHead`` (``train.head_loss=chunked``) through its chunked loss
+    (``models/loss.py``), any other head through its own forward and ``_ce``."""
+    if isinstance(head, ChunkedLossHead):
+        return head.cross_entropy(x_BTD, labels_BT)
     return _ce(head(x_BTD), labels_BT)
 
 

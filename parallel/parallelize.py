@@ -1,7 +1,8 @@
 """``parallelize(model, spec, dims, device) -> (model, pipeline)``: every transform of a built single-device model,
 in the one order they must run. The model's forward is written once (``models/``); layouts are applied to it.
 
-1. ``apply_ep``: keep this rank's routed experts, give each MoE layer its all-to-all dispatcher;
+1. ``apply_ep``: keep this rank's routed experts, give each MoE layer its all-to-all dispatcher; then
+   ``apply_head_loss`` (``train.head_loss``), before anything wraps or moves the head;
 2. ``apply_fp8`` (``Precision.fp8``): FP8 linears and grouped experts, swapped in by name;
 3. with ``dims.pp > 1``, ``PipelineRunner.from_model``: deferred weight gradients for zero-bubble schedules
    (``wgrad_queue``; the stages hold the modules it replaces, so before them), then this rank's stages, the rest
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from models.loss import apply_head_loss
 
 from .dims import ParallelDims
 from .ep import apply_ep
@@ -35,6 +38,7 @@ class ParallelSpec:
     pp_layout: tuple[int, ...] | None = None
     overlap: bool = True                    # parallel.overlap
     recompute: str = "none"                 # train.recompute
+    head_loss: str = "plain"                # train.head_loss
 
 
 def fb_overlap(overlap: bool, ep: int) -> bool:
@@ -48,6 +52,7 @@ def parallelize(model, spec: ParallelSpec, dims: ParallelDims, device: torch.dev
     """The transforms of the module docstring, in order; returns ``(model, PipelineRunner or None)``, the model
     in train mode (with a pipeline, only this rank's stages are left in it)."""
     model = apply_ep(model, dims, dispatcher=spec.dispatcher, fp8_dispatch=spec.fp8_dispatch)
+    apply_head_loss(model, spec.head_loss)
     if spec.precision.fp8:
         from .fp8 import apply_fp8
         apply_fp8(model)

@@ -14,15 +14,3 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
-
-
-import pytest  # noqa: E402
-
-
-@pytest.fixture
-def unfused_head_ce(monkeypatch):
-    """Every head's loss through ``head(x)`` and ``_ce``: for tests that compare a deferred-Wgrad head (which takes
-    that path) bit for bit with a plain one (which would take the fused ``models/loss.py``; tested against ``_ce``
-    in tests/test_linear_ce.py)."""
-    import models.transformer as tr
-    monkeypatch.setattr(tr, "head_ce", lambda head, x, labels: tr._ce(head(x), labels))

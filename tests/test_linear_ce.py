@@ -1,14 +1,16 @@
 """The chunked linear + cross-entropy (models/loss.py) against the plain head + ``F.cross_entropy`` path: loss
 and gradients equal to FP32 rounding (BF16 autocast: to BF16 rounding), ignored labels, several chunks, no
-grad; and the model's training step no longer keeps an ``N x V`` tensor for the backward."""
+grad; and with ``train.head_loss=chunked`` the model's training step keeps no ``N x V`` tensor for the backward."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import models.loss as loss_mod
 from models import ModelConfig, build
-from models.loss import IGNORE, linear_cross_entropy
+from models.loss import HEAD_LOSSES, IGNORE, ChunkedLossHead, apply_head_loss, linear_cross_entropy
 from models.transformer import _ce
+
+from .trainer_utils import read_jsonl
 
 
 def _case(n=96, d=24, v=200, seed=0, ignore=0):
@@ -32,9 +34,9 @@ def _both(x, w, labels, autocast=False):
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 7, 32])
-def test_fp32_equals_the_plain_path(monkeypatch, chunk_rows):
+def test_fp32_equals_the_plain_path(monkeypatch, chunk_rows):   # vocabulary blocks of chunk_rows words
     if chunk_rows:
-        monkeypatch.setattr(loss_mod, "CHUNK_BYTES", chunk_rows * 4 * 200)
+        monkeypatch.setattr(loss_mod, "CHUNK_BYTES", chunk_rows * 4 * 96)   # blocks of chunk_rows words
     x, w, labels = _case(ignore=5)
     (l0, dx0, dw0), (l1, dx1, dw1) = _both(x, w, labels)
     assert l1.dtype == torch.float32 and torch.allclose(l1, l0, rtol=1e-6, atol=0)
@@ -43,7 +45,7 @@ def test_fp32_equals_the_plain_path(monkeypatch, chunk_rows):
 
 
 def test_bf16_autocast_matches_to_bf16_rounding(monkeypatch):
-    monkeypatch.setattr(loss_mod, "CHUNK_BYTES", 16 * 4 * 200)
+    monkeypatch.setattr(loss_mod, "CHUNK_BYTES", 16 * 4 * 96)
     x, w, labels = _case(seed=1)
     (l0, dx0, dw0), (l1, dx1, dw1) = _both(x, w, labels, autocast=True)
     assert dx1.dtype == dx0.dtype == torch.float32 and dw1.dtype == torch.float32
@@ -59,39 +61,44 @@ def test_without_grad_only_the_loss():
     assert torch.allclose(loss, F.cross_entropy(x @ w.t(), labels), rtol=1e-6)
 
 
-def test_the_model_step_keeps_no_logits_for_the_backward():
-    """compute_loss of a model with MTP saves nothing of N x V elements (the plain path keeps two per head) and
-    its loss and gradients equal the plain path's."""
+def test_the_chunked_head_keeps_no_logits_for_the_backward():
+    """compute_loss of a model with MTP and train.head_loss=chunked saves nothing of shape [..., V] (the plain path
+    keeps three per head), and its loss and gradients equal the plain head's."""
     cfg = ModelConfig(vocab_size=512, dim=32, n_layers=2, first_k_dense=1, inter_dim=48, n_heads=2, q_lora_rank=16,
                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_inter_dim=16,
                       n_routed_experts=4, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, mtp_depth=1)
-    model = build(cfg, seed=0)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = torch.roll(ids, -1, 1)
-    shapes = []
+    runs = {}
+    for kind in HEAD_LOSSES:
+        model = build(cfg, seed=0)
+        apply_head_loss(model, kind)
+        assert isinstance(model.head, ChunkedLossHead) == (kind == "chunked")
+        shapes = []
 
-    def pack(t):
-        shapes.append(tuple(t.shape))
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model.compute_loss(ids, labels, mtp_weight=0.3)
-    assert shapes and not [s for s in shapes if s and s[-1] == 512], shapes   # no [..., V] logits: only W, dW are V x D
-    out.loss.backward()
-    fused = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    import models.transformer as tr
-    model.zero_grad()
-    plain = tr.head_ce
-
-    def unfused(head, x, lab):
-        return tr._ce(head(x), lab)
-    tr.head_ce = unfused
-    try:
-        ref = model.compute_loss(ids, labels, mtp_weight=0.3)
-        ref.loss.backward()
-    finally:
-        tr.head_ce = plain
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model.compute_loss(ids, labels, mtp_weight=0.3)
+        out.loss.backward()
+        runs[kind] = (out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                      [s for s in shapes if s and s[-1] == 512])
+    (ref, g_ref, kept_ref), (out, g, kept) = runs["plain"], runs["chunked"]
+    assert len(kept_ref) >= 4 and kept == [], (kept_ref, kept)
     assert torch.allclose(out.loss, ref.loss, rtol=1e-6) and torch.allclose(out.mtp_loss, ref.mtp_loss, rtol=1e-6)
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            assert torch.allclose(fused[n], p.grad, rtol=1e-4, atol=1e-7), n
+    assert g.keys() == g_ref.keys()
+    for n in g:
+        assert torch.allclose(g[n], g_ref[n], rtol=1e-4, atol=1e-7), n
+
+
+def test_a_chunked_run_trains_like_a_plain_one(tmp_path):
+    from .trainer_utils import run_inprocess
+    losses = {}
+    for kind in HEAD_LOSSES:
+        run_inprocess(tmp_path / kind, "logging.wandb.mode=disabled", "logging.progress=false", "train.max_steps=4",
+                      "train.eval_every=0", f"data.cache_dir={tmp_path}/cache", f"train.head_loss={kind}",
+                      "checkpoint.save_final=false")
+        losses[kind] = [r["loss"] for r in read_jsonl(tmp_path / kind / "metrics.jsonl")]
+    assert len(losses["plain"]) == 4
+    assert losses["chunked"] == pytest.approx(losses["plain"], rel=1e-5)

@@ -151,7 +151,6 @@ def _piecewise(model, ids, labels, mode: str, cuts: bool):
     return loss, lm, mtp, aux, n
 
 
-@pytest.mark.usefixtures("unfused_head_ce")   # mode "input" defers the head's Wgrad: it takes _ce, so the reference does
 @pytest.mark.parametrize("cuts", [True, False])
 @pytest.mark.parametrize("mode", ["full", "input"])
 def test_piecewise_matches_straight_through(mode, cuts):

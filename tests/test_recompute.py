@@ -167,7 +167,6 @@ def test_b_w_split_recomputes_in_b_and_again_in_w(monkeypatch):
     assert counts[True] == {k: 2 * v for k, v in counts[False].items()}
 
 
-@pytest.mark.usefixtures("unfused_head_ce")   # a deferred head takes _ce: the same loss path on both sides
 def test_routed_experts_selective_and_deferred_wgrad_compose(monkeypatch):
     """Routed experts compute their SwiGLU product through ``GroupedExperts.act``, so selective covers them;
     DeferredGroupedExperts (parallel/wgrad.py) keeps h1, h3 and recomputes the product itself: with both,

@@ -19,9 +19,6 @@ from parallel.fp8 import FP8GroupedExperts, FP8Linear, apply_fp8
 from parallel.pipeline.stages import Stage, layer_split
 from parallel.wgrad import DeferredGroupedExperts, DeferredLinear, WeightGradQueue, apply_deferred_wgrad
 
-# A deferred head takes head(x) + _ce; compare it with a plain head on the same loss path.
-pytestmark = pytest.mark.usefixtures("unfused_head_ce")
-
 CFG = dict(vocab_size=128, dim=32, n_layers=3, inter_dim=64, n_heads=2, q_lora_rank=16, kv_lora_rank=16,
            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_inter_dim=16, n_routed_experts=8,
            n_activated_experts=2, n_expert_groups=2, n_limited_groups=1, mtp_depth=1, init_std=0.2)
