@@ -275,10 +275,11 @@ def _main() -> None:
     coming (a bad value in an experiment file, a config directory of the user's) as one line and exit 2 instead of
     Hydra's block and exit 1. Hydra reports such errors itself unless HYDRA_FULL_ERROR is set: it is set here for
     the composition only (``main`` removes it), so that the run itself keeps Hydra's reporting. A user's own
-    HYDRA_FULL_ERROR=1 keeps Hydra's traceback."""
+    HYDRA_FULL_ERROR=1 keeps Hydra's traceback, and so does a multirun (``-m``: its launcher's jobs, e.g. SLURM
+    jobs, would inherit the variable)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or {"-m", "--multirun"} & set(sys.argv[1:]):
         main()
         return
     global _composing
@@ -316,7 +317,7 @@ def _hydra_message(e: Exception) -> str:
         if not line.strip():
             continue
         if line.startswith(("\t", " ")) and parts and parts[-1].endswith((":", ",")):
-            parts[-1] += ("" if parts[-1].endswith(":") else "") + " " + line.strip() + ","
+            parts[-1] += " " + line.strip() + ","   # an item of the list the line before opened
         else:
             parts.append(line.strip())
     return "; ".join(p.rstrip(",") for p in parts)

@@ -209,8 +209,8 @@ class Trainer:
         return metrics
 
     def _finish(self, summary: dict, metrics: dict, elapsed: float, tok: int) -> None:
-        """The run's last log line (``tok`` tokens in ``elapsed`` seconds): ``done: ...``, or for a run stopped on request
-        ``stopped at step N (checkpoint ...): resume with ...``; waits for the EMA; closes the logger."""
+        """The run's last log line (``tok`` tokens in ``elapsed`` seconds): ``done: ...``, or for a run stopped on
+        request ``stopped at step N (checkpoint ...): resume with ...``; waits for the EMA; closes the logger."""
         head = f"done: step {self.step}/{self.cfg.train.max_steps}, " if "stopped" not in summary else \
             (f"stopped at step {self.step}/{self.cfg.train.max_steps} (checkpoint {self._saved_path}): resume with "
              "checkpoint.resume=auto; ")
