@@ -229,6 +229,8 @@ def _check_logging(lg: LoggingConfig) -> None:
         _need("logging.peak_tflops", lg.peak_tflops, _finite(lg.peak_tflops) and lg.peak_tflops > 0,
               "finite and > 0, or null")
     _one_of("logging.wandb.mode", lg.wandb.mode, WANDB_MODES)
+    if os.environ.get("WANDB_MODE"):   # wins over logging.wandb.mode (trainer.wandb_panels.wandb_mode)
+        _one_of("WANDB_MODE (environment)", os.environ["WANDB_MODE"], WANDB_MODES)
     _positive("logging.straggler_threshold", lg.straggler_threshold)
     _need("logging.straggler_steps", lg.straggler_steps, lg.straggler_steps >= 1, ">= 1")
 

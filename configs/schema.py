@@ -2,7 +2,8 @@
 
 Every key and its default live here; the YAML groups beside this file hold only what differs (model presets,
 experiments). ``to_object`` refuses a key the schema lacks (Hydra's ``+key=value`` adds any), and ``check_key``
-checks a command-line key before Hydra composes, both with a "did you mean" hint.
+checks a command-line key and the type of its value before Hydra composes: a typo has a "did you mean" hint, a
+value of the wrong type (``train.max_steps=abc``, a dict where a list goes) names what was expected.
 ``validate(cfg, world_size)`` checks every key's range (NaN and infinities included), its allowed values
 (``configs.checks``) and the cross-field rules, and raises a one-line ``ConfigError`` naming the key, before
 anything is built.
@@ -16,6 +17,8 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from errors import ConfigError
 from models.config import ModelConfig, ModelError
@@ -220,15 +223,31 @@ def to_object(cfg: Any) -> Config:
     if isinstance(cfg, Config):
         return cfg
     _check_tree(OmegaConf.to_container(cfg, resolve=False), Config, "")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+    except OmegaConfBaseException as e:   # a value no command-line check saw: an experiment file's, a missing one
+        raise ConfigError(omegaconf_message(e)) from None
+
+
+def omegaconf_message(e: OmegaConfBaseException) -> str:
+    """``<key>: <OmegaConf's first line>`` for an error OmegaConf raised while composing or converting a config
+    (its ``full_key`` names the key when it knows it)."""
+    key, text = getattr(e, "full_key", None), str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, MissingMandatoryValue):
+        return f"{key or text}: missing (this key has no default); set it"
+    return f"{key}: {text}" if key else text
 
 
 # ------------------------------------------------------------------------------------------- strict keys
-def check_key(dotted: str, value: Any = None, top_level_extra: tuple[str, ...] = ()) -> None:
+_NO_VALUE = object()   # check_key without a value: the key alone (a deletion, a sweep)
+
+
+def check_key(dotted: str, value: Any = _NO_VALUE, top_level_extra: tuple[str, ...] = ()) -> None:
     """``ConfigError`` unless ``dotted`` (``train.max_steps``, ``optim.phases``, ``optim.phases.0.lr``) names a
     key of the schema or a group of keys, and every key inside ``value`` (a dict or list given on the command
     line: ``+optim.phases=[{tokens: 1e9, lr: 1e-4}]``) is one too; the message suggests the closest keys at the
-    level that went wrong. ``top_level_extra``: more names to suggest at the top (the config groups: ``exp``)."""
+    level that went wrong; a value of the wrong type for its key is one too (``_check_types``).
+    ``top_level_extra``: more names to suggest at the top (the config groups: ``exp``)."""
     node: Any = Config
     parts = dotted.split(".")
     for i, part in enumerate(parts):
@@ -246,7 +265,9 @@ def check_key(dotted: str, value: Any = None, top_level_extra: tuple[str, ...] =
             return
         else:
             raise ConfigError(f"{dotted}: not a config key; {path} is a single value, not a group of keys")
-    _check_tree(value, node, dotted)
+    if value is not _NO_VALUE:
+        _check_tree(value, node, dotted)
+        _check_types(value, node, dotted)
 
 
 def _check_tree(value: Any, node: Any, path: str) -> None:
@@ -262,6 +283,74 @@ def _check_tree(value: Any, node: Any, path: str) -> None:
     elif get_origin(node) is list and isinstance(value, list):
         for i, sub in enumerate(value):
             _check_tree(sub, get_args(node)[0], f"{path}[{i}]")
+
+
+# A command-line value as OmegaConf converts it for a key of this type (Hydra composes with the same rules):
+# ``"5"`` is an int, ``"abc"`` or ``1.5`` is not; ``${...}`` interpolations pass.
+_SCALARS = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}
+
+
+def _check_types(value: Any, node: Any, path: str) -> None:
+    """``ConfigError('<key>: <what is wrong> (expected <type>, got <value>)')`` for the first value in ``value`` (a
+    command-line value, Hydra-parsed: scalars, lists, dicts) that OmegaConf would refuse for the schema type
+    ``node``; keys inside dicts are checked by ``_check_tree``."""
+    declared, node = node, _strip_optional(node)
+    if value is None or node is Any or get_origin(node) is dict:
+        if value is None and declared is node and node is not Any:
+            raise _wrong(path, node, value, "null is not allowed here")
+        return
+    if dataclasses.is_dataclass(node):
+        if not isinstance(value, dict):
+            raise _wrong(path, declared, value, f"{_kind(value)} where a group of keys is expected")
+        fields = _field_types(node)
+        for key, sub in value.items():
+            _check_types(sub, fields[key], f"{path}.{key}")
+    elif get_origin(node) is list:
+        if not isinstance(value, list):
+            raise _wrong(path, declared, value, f"{_kind(value)} where a list is expected")
+        for i, sub in enumerate(value):
+            _check_types(sub, get_args(node)[0], f"{path}[{i}]")
+    elif node in _SCALARS:
+        if isinstance(value, (dict, list)):
+            raise _wrong(path, declared, value, f"{_kind(value)} where a single value is expected")
+        try:
+            _SCALARS[node](value)
+        except OmegaConfBaseException:
+            raise _wrong(path, declared, value, f"not {_type_name(node, article=True)}") from None
+
+
+def _wrong(path: str, node: Any, value: Any, what: str) -> ConfigError:
+    return ConfigError(f"{path}: {what} (expected {_type_name(node)}, got {_show(value)})")
+
+
+def _kind(value: Any) -> str:
+    return "a dict" if isinstance(value, dict) else "a list" if isinstance(value, list) else "a single value"
+
+
+def _type_name(tp: Any, article: bool = False) -> str:
+    """``int``, ``list of {path, weight, name}``; with ``article``: ``an integer``, ``a number``."""
+    if article and tp in _SCALARS:
+        return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[tp]
+    if get_origin(tp) is Union:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    if get_origin(tp) is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "{" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    """A value as it would be written on the command line: ``'abc'``, ``{path: x}``, ``[1]``, ``null``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
 
 
 def _unknown_key(path: str, key: str, keys: list[str], suggest: tuple[str, ...] = ()) -> ConfigError:

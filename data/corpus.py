@@ -103,6 +103,11 @@ def resolve_source(path):
         from pydoc_data.topics import topics
         return "default", [], ["pydoc_data", hashlib.sha256("\0".join(topics[k] for k in sorted(topics)).encode()).hexdigest()]
     hint = "(point data.path at a .txt/.jsonl/.parquet file, a directory of them, or a saved HF dataset)"
+    from .shards import is_token_dataset   # here: data.shards imports this module
+    if is_token_dataset(path):
+        raise ConfigError(f"data.path: {path} is a token dataset (tools.prepare_data output or Megatron .bin/.idx), "
+                          f"already tokenized, and data.path reads text: train on it with data.blend='[{{path: "
+                          f"{path}}}]' instead of data.path")
     p = Path(os.path.expanduser(str(path)))
     if any(c in str(path) for c in "*?["):
         files = sorted(f for f in glob.glob(os.path.expanduser(str(path)), recursive=True) if os.path.isfile(f))

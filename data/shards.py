@@ -266,6 +266,20 @@ def _prefix_of(p: Path) -> str | None:
     return None
 
 
+def is_token_dataset(path) -> bool:
+    """Whether ``open_tokens`` would read ``path`` as a token dataset: a directory with our ``manifest.json`` or
+    Megatron ``.idx`` files, a Megatron prefix, or one of its ``.bin``/``.idx`` files (a look at names only)."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        if (p / MANIFEST).is_file():
+            try:
+                return json.loads((p / MANIFEST).read_bytes()).get("format") == FORMAT
+            except (OSError, ValueError, AttributeError):
+                return False
+        return any(p.glob("*.idx"))
+    return _prefix_of(p) is not None
+
+
 def _read_manifest(d: Path) -> tuple[dict, bytes]:
     raw = (d / MANIFEST).read_bytes()
     try:

@@ -312,3 +312,76 @@ def test_torchrun_endpoint_check_accepts_a_free_port_and_a_live_store():
     assert check_endpoint(f"127.0.0.1:{free}") is None
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     assert check_endpoint(f"127.0.0.1:{store.port}", probe_s=5) is None
+
+
+# ------------------------------------------------------------------------------------------- value types
+def test_value_types_are_checked_against_the_schema():
+    """What OmegaConf would refuse, named by key with the expected type and the value; what it converts passes."""
+    cases = [
+        ("train.max_steps", "abc", "train.max_steps: not an integer (expected int, got 'abc')"),
+        ("train.seed", [1], "train.seed: a list where a single value is expected (expected int, got [1])"),
+        ("data.blend", {"path": "x"}, "data.blend: a dict where a list is expected (expected list of {path, weight, "
+                                      "name}, got {path: 'x'})"),
+        ("data.blend", [{"path": "x", "weight": "abc"}],
+         "data.blend[0].weight: not a number (expected float, got 'abc')"),
+        ("train.stop_at_step", {"a": 1}, "train.stop_at_step: a dict where a single value is expected (expected int "
+                                         "or null, got {a: 1})"),
+        ("train.bias_update_speed", 3, "train.bias_update_speed: a single value where a group of keys is expected "
+                                       "(expected {value, then, after_steps, after_tokens}, got 3)"),
+        ("logging.wandb.tags", "abc", "logging.wandb.tags: a single value where a list is expected (expected list "
+                                      "of str, got 'abc')"),
+        ("train.max_steps", None, "train.max_steps: null is not allowed here (expected int, got null)"),
+        ("optim.phases.0.lr", "x", "optim.phases.0.lr: not a number (expected float, got 'x')"),
+        ("train.memory_check", "maybe", "train.memory_check: not true or false (expected bool, got 'maybe')"),
+    ]
+    for key, value, message in cases:
+        with pytest.raises(ConfigError) as e:
+            check_key(key, value)
+        assert str(e.value) == message
+    for key, value in [("train.max_steps", "5"), ("train.max_steps", "${train.seed}"), ("optim.lr", 1),
+                       ("train.stop_at_step", None), ("data.path", 5), ("train.memory_check", "false"),
+                       ("data.blend", [{"path": "x", "weight": 2}]), ("train.bias_update_speed", {"value": 0.1})]:
+        check_key(key, value)
+
+
+def _one_line_exit_2(proc, tmp_path, message: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+TYPE_MISTAKES = [  # (override, the one line): checked before Hydra composes
+    ("train.max_steps=abc", "train.max_steps: not an integer (expected int, got 'abc')"),
+    ("data.blend={path: x}", "data.blend: a dict where a list is expected (expected list of {path, weight, name}, "
+                             "got {path: 'x'})"),
+    ("train.seed=[1]", "train.seed: a list where a single value is expected (expected int, got [1])"),
+    ("optim.lr=[1,2", "optim.lr=[1,2: not a valid override: no viable alternative at input '[1,2' (quote a value "
+                      "with brackets, braces, commas or spaces: key='...'; syntax: "
+                      "https://hydra.cc/docs/advanced/override_grammar/basic)"),
+    ("model=v3_smal", "model=v3_smal: configs/model/ has no v3_smal.yaml; did you mean model=v3_small? the options "
+                      "are tiny, v3_16b, v3_671b, v3_small"),
+    ("data.blend=[{weight: 2}]", "data.blend[0].path: missing (this key has no default); set it"),
+]
+
+
+@pytest.mark.parametrize("override,message", TYPE_MISTAKES, ids=[m[0] for m in TYPE_MISTAKES])
+def test_cli_type_mistakes_print_one_line_and_exit_2(tmp_path, override, message):
+    """Hydra's answer to each of these is a block of six lines or more and exit 1."""
+    proc = run_cli("+exp=tiny", override, f"hydra.run.dir={tmp_path}/run", "logging.wandb.mode=disabled", timeout=120)
+    _one_line_exit_2(proc, tmp_path, message)
+
+
+def test_cli_errors_hydra_meets_while_composing_are_one_line(tmp_path):
+    """A bad value in an experiment file of the user's config directory (no command-line check sees it) and a
+    missing option there: Hydra's error as one line, exit 2; HYDRA_FULL_ERROR=1 still gives Hydra's own report."""
+    (tmp_path / "cfg" / "exp").mkdir(parents=True)
+    (tmp_path / "cfg" / "exp" / "bad.yaml").write_text("# @package _global_\ntrain:\n  max_steps: abc\n")
+    common = ["--config-dir", str(tmp_path / "cfg"), f"hydra.run.dir={tmp_path}/run", "logging.wandb.mode=disabled"]
+    proc = run_cli(*common, "+exp=bad", timeout=120)
+    _one_line_exit_2(proc, tmp_path, "train.max_steps: Value 'abc' of type 'str' could not be converted to Integer "
+                                     "(In 'exp/bad': ValidationError raised while composing config)")
+    proc = run_cli(*common, "+exp=nope", timeout=120)
+    _one_line_exit_2(proc, tmp_path, "In 'config': Could not find 'exp/nope'; Available options in 'exp': bad, tiny, "
+                                     "v3_small")
+    proc = run_cli(*common, "+exp=bad", timeout=120, env={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr[-2000:]

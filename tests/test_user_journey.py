@@ -64,9 +64,37 @@ def test_cluster_log_lines(tmp_path, cache):
     assert (tmp_path / "run/checkpoints/step_00000004/tokenizer.json").read_text() == tok
     log = (tmp_path / "run/train.log").read_text().splitlines()
     assert steps[0] in log and steps[1] in log and "\r" not in proc.stdout + proc.stderr   # no progress bar
+    # each validation as it is computed (before the first step, after the last), not only in the final line
+    evals = read_jsonl(tmp_path / "run/eval.jsonl")
+    assert [line for line in out if line.startswith("validation ")] == \
+        [f"validation at step {e['step']}/4: val_loss {e['val_loss']:.4f}" for e in evals] and len(evals) == 2
+    assert out[-1].startswith("done: step 4/4, ")
     again = run_cli(*args, timeout=300)
     assert again.returncode == 0 and "nothing to do: already at train.max_steps=4" in again.stdout
     assert "loss nan" not in again.stdout
+
+
+def test_a_stopped_run_ends_with_a_stopped_line(tmp_path, cache, monkeypatch):
+    """SIGTERM mid-run: the last line says where it stopped, the checkpoint and how to resume, not ``done:``."""
+    import os
+    import signal
+
+    from trainer.train import Trainer
+    cfg = make_config(*fast_overrides(tmp_path, cache), *SMALL, "train.max_steps=6", "train.eval_every=0")
+    trainer = Trainer(cfg, tmp_path / "run")
+    step = Trainer.train_step
+
+    def stop_after_two(self):
+        metrics = step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)   # handled at this step's boundary, like a SLURM preemption
+        return metrics
+    monkeypatch.setattr(Trainer, "train_step", stop_after_two)
+    assert trainer.train()["stopped"] == "SIGTERM"
+    last = (tmp_path / "run/train.log").read_text().splitlines()[-1]
+    ck = tmp_path / "run/checkpoints/step_00000003"   # the step in progress when the stop was seen finishes first
+    assert last.startswith(f"stopped at step 3/6 (checkpoint {ck}): resume with checkpoint.resume=auto; "), last
+    assert ck.is_dir()
 
 
 def test_preflight_stops_v3_small_in_one_line(tmp_path):

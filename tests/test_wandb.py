@@ -175,3 +175,53 @@ def test_reader_stops_at_a_torn_end(tmp_path):
         history, _ = read_offline_run(cut)
         assert history == full[:len(history)], n
         assert not offline_run_finished(cut), n
+
+
+def _tiny_logger(run_dir: Path, mode: str, **kw) -> MetricsLogger:
+    register()
+    with initialize_config_module("configs", version_base=None):
+        cfg = to_object(compose("config", overrides=["+exp=tiny"]))
+    wandb_cfg = SimpleNamespace(mode=mode, project="t", entity=None, name=None, tags=[])
+    run_dir.mkdir(exist_ok=True)
+    return MetricsLogger(run_dir, wandb_cfg, OmegaConf.to_container(OmegaConf.structured(cfg)), total_steps=4,
+                         start_step=0, progress=False, device=torch.device("cpu"), **kw)
+
+
+def test_console_says_where_the_wandb_run_is_and_honours_wandb_mode(tmp_path, monkeypatch):
+    """One line names the offline run's directory and the commands that read it without a browser (``wandb leet``:
+    W&B's terminal viewer) or upload it; ``WANDB_MODE`` in the environment wins over logging.wandb.mode, said once."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    logger = _tiny_logger(tmp_path / "a", "offline")
+    logger.close()
+    where = offline_run(tmp_path / "a")
+    lines = (tmp_path / "a" / "train.log").read_text().splitlines()
+    assert f"W&B: offline run {where}; view it in a terminal with `wandb leet {where}`, upload it with `wandb sync " \
+           f"{where}`" in lines, lines
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    logger = _tiny_logger(tmp_path / "b", "offline")
+    logger.close()
+    assert not (tmp_path / "b" / "wandb").exists()
+    assert (tmp_path / "b" / "train.log").read_text().splitlines() == [
+        "W&B: WANDB_MODE=disabled in the environment wins over logging.wandb.mode=offline"]
+    from configs.checks import check_sections
+
+    from .trainer_utils import make_config
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    from errors import ConfigError
+    with pytest.raises(ConfigError, match=r"^WANDB_MODE \(environment\): 'bogus' is not one of offline, online, "):
+        check_sections(make_config())
+
+
+def test_console_shows_validation_and_the_blend_shares(tmp_path, monkeypatch):
+    """A SLURM .out file alone: each validation (per source with data.val_blend) when computed, and each blend
+    source's share of the tokens in the plain step line."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    logger = _tiny_logger(tmp_path, "disabled", log_every=2)
+    logger.log_eval(0, 6.95, {"val_loss/web": 6.9, "val_loss/math": 7.0})
+    for step in (1, 2):
+        logger.log_step({"step": step, "loss": 3.0, "tokens_per_s": 1e3, "step_time_s": 0.5, "tokens/web": 300 * step,
+                         "tokens/code": 100 * step, "tokens/math": 100 * step})
+    logger.close()
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert lines[0] == "validation at step 0/4: val_loss 6.9500 (web 6.9000, math 7.0000)", lines
+    assert lines[1].startswith("step 2/4 | ") and lines[1].endswith(" | data web 60% code 20% math 20%"), lines

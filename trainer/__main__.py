@@ -8,6 +8,7 @@ error in the config itself, the other ranks exit in silence), 3 failed, 75 stopp
 """
 from __future__ import annotations
 
+import difflib
 import faulthandler
 import os
 import socket
@@ -146,6 +147,7 @@ def _shut_down_groups(dims) -> None:
 
 @hydra.main(version_base=None, config_path="pkg://configs", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    _composed()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     stops = _STOPS or StartupStops(int(os.environ.get("RANK", "0"))).install()
     try:
@@ -221,26 +223,104 @@ def _config_error(e: ConfigError, maybe_own: bool = False) -> NoReturn:
 
 
 def _check_cli_keys(args: list[str]) -> None:
-    """Every override names a schema key (``+`` or not, and the keys inside a dict or list value) or a config
-    group, before Hydra composes anything: a typo is one line and exit 2 (Hydra's own answer to
-    ``train.max_step=3`` is seven lines and exit 1, and to ``+train.max_step=3`` a key nobody reads)."""
+    """Every override parses, names a schema key (``+`` or not, and the keys inside a dict or list value) with a
+    value of its type, or a config group and one of its options, before Hydra composes anything: a mistake is one
+    line and exit 2 (Hydra's own answer to ``train.max_step=3`` or ``train.max_steps=abc`` is six lines and exit 1,
+    and to ``+train.max_step=3`` a key nobody reads)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
     candidates = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]
-    try:
-        overrides = OverridesParser.create().parse_overrides(candidates)
-    except OverrideParseException:   # a syntax error: Hydra reports it, naming the override
-        return
-    groups = tuple(sorted(p.name for p in resources.files("configs").iterdir() if p.is_dir() and p.name[0] != "_"))
+    parser = OverridesParser.create()
+    overrides = []
+    for arg in candidates:   # one at a time, to name the one that does not parse
+        try:
+            overrides += parser.parse_overrides([arg])
+        except OverrideParseException as e:
+            _config_error(ConfigError(
+                f"{arg}: not a valid override: {str(e).splitlines()[0]} (quote a value with brackets, braces, commas "
+                "or spaces: key='...'; syntax: https://hydra.cc/docs/advanced/override_grammar/basic)"))
+    configs = resources.files("configs")
+    groups = tuple(sorted(p.name for p in configs.iterdir() if p.is_dir() and p.name[0] != "_"))
+    own_search_path = any(a.startswith(("--config-dir", "-cd", "--config-path", "-cp")) for a in args)
     for o in overrides:
         key = o.key_or_group
-        if o.package is not None or key in groups or key.split(".")[0].split("/")[0] == "hydra":
+        if o.package is not None or key.split(".")[0].split("/")[0] == "hydra":
             continue
         try:
-            check_key(key, None if o.is_sweep_override() or o.is_delete() else o.value(), top_level_extra=groups)
+            if key in groups:
+                if not own_search_path and isinstance(o.value(), str) and not o.is_delete():
+                    _check_option(key, o.value(), configs / key)
+                continue
+            if o.is_sweep_override() or o.is_delete():
+                check_key(key, top_level_extra=groups)
+            else:
+                check_key(key, o.value(), top_level_extra=groups)
         except ConfigError as e:
             _config_error(e)
+
+
+def _check_option(group: str, option: str, folder) -> None:
+    """``model=v3_smal``: ``ConfigError`` naming the group's options unless ``configs/<group>/<option>.yaml`` exists."""
+    options = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    if option not in options:
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f"did you mean {group}={close[0]}? " if close else ""
+        raise ConfigError(f"{group}={option}: configs/{group}/ has no {option}.yaml; {hint}the options are "
+                          f"{', '.join(options)}")
+
+
+def _main() -> None:
+    """``main()``, with an error Hydra meets while composing the config that ``_check_cli_keys`` could not see
+    coming (a bad value in an experiment file, a config directory of the user's) as one line and exit 2 instead of
+    Hydra's block and exit 1. Hydra reports such errors itself unless HYDRA_FULL_ERROR is set: it is set here for
+    the composition only (``main`` removes it), so that the run itself keeps Hydra's reporting. A user's own
+    HYDRA_FULL_ERROR=1 keeps Hydra's traceback, and so does a multirun (``-m``: its launcher's jobs, e.g. SLURM
+    jobs, would inherit the variable)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or {"-m", "--multirun"} & set(sys.argv[1:]):
+        main()
+        return
+    global _composing
+    os.environ["HYDRA_FULL_ERROR"], _composing = "1", True
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        _config_error(ConfigError(_hydra_message(e)))
+    finally:
+        _composed()
+
+
+_composing = False   # _main set HYDRA_FULL_ERROR for the composition; main's first line removes it
+
+
+def _composed() -> None:
+    global _composing
+    if _composing:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+        _composing = False
+
+
+def _hydra_message(e: Exception) -> str:
+    """Hydra's or OmegaConf's error as one line: the key and OmegaConf's reason for a bad value, Hydra's text with
+    its lists folded (``Available options in 'exp': tiny, v3_small``) and without its search path otherwise."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from configs.schema import omegaconf_message
+    cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__ or e.__context__
+    if isinstance(cause, OmegaConfBaseException):
+        where = "" if cause is e else f" ({str(e).splitlines()[0].rstrip(':')})"
+        return omegaconf_message(cause) + where
+    parts: list[str] = []
+    for line in str(e).split("Config search path:")[0].splitlines():
+        if not line.strip():
+            continue
+        if line.startswith(("\t", " ")) and parts and parts[-1].endswith((":", ",")):
+            parts[-1] += " " + line.strip() + ","   # an item of the list the line before opened
+        else:
+            parts.append(line.strip())
+    return "; ".join(p.rstrip(",") for p in parts)
 
 
 def _exit_now(message: str, code: int) -> None:
@@ -253,4 +333,4 @@ def _exit_now(message: str, code: int) -> None:
 
 if __name__ == "__main__":
     _check_cli_keys(sys.argv[1:])
-    main()
+    _main()

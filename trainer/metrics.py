@@ -31,7 +31,7 @@ from data import micro_batches
 from errors import writing
 from models.params import FLOPS_FORMULA, flops_per_token
 
-from .wandb_panels import WandbPanels, start_run
+from .wandb_panels import WandbPanels, start_run, wandb_mode
 
 # Dense (no sparsity) BF16 tensor-core peak per device, FLOP/s. First substring match of the CUDA
 # device name wins, so the more specific names come first.
@@ -212,10 +212,14 @@ class MetricsLogger:
         if any(cut.values()):
             self.write(f"metrics: starting at step {start_step}: dropped the lines after it ("
                        + ", ".join(f"{n} from {name}" for name, n in cut.items() if n) + "); those steps are redone")
-        if wandb_cfg.mode != "disabled":
+        mode, note = wandb_mode(wandb_cfg.mode)
+        if note:
+            self.write(note)
+        if mode != "disabled":
             summary = self.static | {"throughput/flops_formula": FLOPS_FORMULA, "throughput/peak_source": self.peak_src}
             with self._wandb_writing("the W&B run"):
-                run = start_run(wandb_cfg, config_dict, self.run_dir, self.run_id, world_size, summary, self.write)
+                run = start_run(wandb_cfg, mode, config_dict, self.run_dir, self.run_id, world_size, summary,
+                                self.write)
             self.wandb = WandbPanels(run, self.static, total_steps, heatmap_every or max(1, total_steps // 20),
                                      start_step)
         if progress and sys.stderr.isatty():   # a bar for terminals; log files get the plain lines
@@ -309,7 +313,8 @@ class MetricsLogger:
             self.bar.set_postfix(post, refresh=False)
 
     def _plain_line(self, row: dict) -> str:
-        """``step 20/150 | loss 5.1234 | lr 2.9e-03 | grad norm 0.81 | 7.4k tok/s | MFU 31.2% | mem 0.50 GB | ETA 0:01:23``"""
+        """``step 20/150 | loss 5.1234 | lr 2.9e-03 | grad norm 0.81 | 7.4k tok/s | MFU 31.2% | mem 0.50 GB | ETA 0:01:23``
+        (with data.blend: ``| data web 50% code 30% math 20%``)"""
         step = row["step"]
         done = max(1, step - self._first_step)
         eta = int(self._totals["time"] / done * max(0, self.total_steps - step))
@@ -319,6 +324,10 @@ class MetricsLogger:
                  f"MFU {100 * row['mfu']:.1f}%" if "mfu" in row else "MFU n/a (set logging.peak_tflops)",
                  f"mem {row['mem_peak_gb']:.2f} GB" if "mem_peak_gb" in row else "mem n/a",
                  f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}"]
+        shares = {k.removeprefix("tokens/"): v for k, v in row.items() if k.startswith("tokens/")}
+        if shares and sum(shares.values()) > 0:   # data.blend: each source's share of the tokens since start-up
+            total = sum(shares.values())
+            parts.append("data " + " ".join(f"{n} {100 * v / total:.0f}%" for n, v in shares.items()))
         if row.get("skipped"):
             parts.append("SKIPPED (non-finite)")
         return " | ".join(parts)
@@ -340,6 +349,9 @@ class MetricsLogger:
             return
         self._append(self._eval_file, json_line({"step": step, "val_loss": val_loss} | (per_source or {})),
                      f"the validation loss of step {step}")
+        sources = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in (per_source or {}).items())
+        self.write(f"validation at step {step}/{self.total_steps}: val_loss {val_loss:.4f}"
+                   + (f" ({sources})" if sources else ""))
         if self.wandb is not None:
             with self._wandb_writing(f"the W&B validation loss of step {step}"):
                 self.wandb.log_eval(step, val_loss, per_source or {})

@@ -154,7 +154,8 @@ def init_weights_from(trainer, src: str) -> str:
 # Keys that cannot change within a run: the model (the tensors' shapes and meaning), the seed (model init and the
 # data order) and the keys that define the text corpus's token stream (the saved data position indexes it). A
 # data.blend is checked by its content where the data opens (BlendedBatches.load_state_dict): a source moved to
-# another path resumes, other windows or weights are refused there.
+# another path resumes, other windows or weights are refused there. Switching between a text corpus and data.blend
+# is refused before either (same_data_kind).
 FIXED = ("model.", "train.seed", "data.path", "data.tokenizer", "data.text_field", "data.val_fraction", "data.seq_len")
 # Keys meant to change between attempts, not listed: where and how the run logs and saves, the layout (a
 # checkpoint reshards to any layout; the log's layout line says the new one), the device, the stop step.
@@ -188,15 +189,47 @@ def _show(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
+def same_data_kind(cfg, path: Path, saved: dict | None) -> None:
+    """One ``ConfigError`` line when the checkpoint ``path`` was trained on the other kind of data than ``cfg`` reads
+    (token datasets, ``data.blend``, vs a text corpus, ``data.path`` or the embedded one): its data position means
+    nothing in the other kind's stream. ``saved``: the checkpoint's config.yaml; without one, the checkpoint's own
+    data state says (a blend's has a ``kind``)."""
+    saved_data = (saved or {}).get("data") or {}
+    try:
+        saved_blend = bool(saved_data.get("blend")) if saved else has_state(path, "extra.data.kind")
+    except OSError:   # no tensor metadata to read: the load names what is missing
+        return
+    blend = bool(cfg.data.blend)
+    if saved_blend == blend:
+        return
+    text = saved_data.get("path")
+    if blend:
+        was = f"a text corpus ({f'data.path={text}' if text else 'data.path, or the embedded corpus'})"
+        now = "token datasets (data.blend)"
+    else:
+        was = "token datasets (data.blend)"
+        now = f"a text corpus ({f'data.path={cfg.data.path}' if cfg.data.path else 'the embedded corpus'})"
+    raise ConfigError(f"data.blend: the checkpoint {path} was trained on {was}, this run reads {now}; a run cannot "
+                      "switch between the two (its data position indexes one stream). Resume with the checkpoint's "
+                      f"data settings, or start a new run directory with checkpoint.init_from={path} to train on "
+                      "from its weights (fresh optimizer and data order, step 0)")
+
+
 def config_changes(cfg, path: Path) -> str | None:
-    """Compare ``cfg`` with the config the checkpoint ``path`` was written with (its ``config.yaml``). A change of a
+    """Compare ``cfg`` with the config the checkpoint ``path`` was written with (its ``config.yaml``); first, the
+    kind of data (``same_data_kind``). A change of a
     key that cannot change within a run (``FIXED``) raises one ``ConfigError`` line naming every such key and the
     way on; the other changes (``UNLISTED`` aside) come back as one log line ``config changed since <path>: key:
     old -> new, ...`` (None: no change, or a checkpoint without ``config.yaml``)."""
     try:
-        saved = _flat(yaml.safe_load((path / "config.yaml").read_text()))
-    except (OSError, yaml.YAMLError, AttributeError):   # converted or older checkpoints: model_config.yaml only
+        raw = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):   # converted or older checkpoints: model_config.yaml only
+        raw = None
+    raw = raw if isinstance(raw, dict) else None
+    same_data_kind(cfg, path, raw)
+    if raw is None:
         return None
+    saved = _flat(raw)
     changes = _diff(saved, _flat(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg)))))
     fixed = [c for c in changes if c[0].startswith(FIXED)]
     if fixed:

@@ -209,9 +209,13 @@ class Trainer:
         return metrics
 
     def _finish(self, summary: dict, metrics: dict, elapsed: float, tok: int) -> None:
-        """The run's last log line (``tok`` tokens in ``elapsed`` seconds); waits for the EMA; closes the logger."""
+        """The run's last log line (``tok`` tokens in ``elapsed`` seconds): ``done: ...``, or for a run stopped on
+        request ``stopped at step N (checkpoint ...): resume with ...``; waits for the EMA; closes the logger."""
+        head = f"done: step {self.step}/{self.cfg.train.max_steps}, " if "stopped" not in summary else \
+            (f"stopped at step {self.step}/{self.cfg.train.max_steps} (checkpoint {self._saved_path}): resume with "
+             "checkpoint.resume=auto; ")
         self.logger.write(
-            f"done: step {self.step}/{self.cfg.train.max_steps}, {tok} tokens in {elapsed:.1f}s "
+            f"{head}{tok} tokens in {elapsed:.1f}s "
             f"({tok / max(elapsed, 1e-9):.0f} tok/s); loss {metrics.get('loss', float('nan')):.4f}; val_loss "
             f"{_fmt(summary['val_loss_start'])} -> {_fmt(summary['val_loss_end'])}{self.logger.summary()}; "
             f"run dir {self.run_dir}")

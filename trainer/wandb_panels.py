@@ -89,13 +89,22 @@ def run_name(cfg: dict, world_size: int) -> str:
     return "-".join(parts)
 
 
-def start_run(wandb_cfg, config_dict: dict, run_dir: Path, run_id: str, world_size: int, summary: dict,
+def wandb_mode(configured: str) -> tuple[str, str | None]:
+    """(the W&B mode this run uses, a log line or None): ``$WANDB_MODE`` wins over ``logging.wandb.mode`` (W&B's own
+    switch, e.g. ``WANDB_MODE=disabled`` in a job script; ``configs.checks`` checked its value)."""
+    env = os.environ.get("WANDB_MODE")
+    if not env or env == configured:
+        return configured, None
+    return env, f"W&B: WANDB_MODE={env} in the environment wins over logging.wandb.mode={configured}"
+
+
+def start_run(wandb_cfg, mode: str, config_dict: dict, run_dir: Path, run_id: str, world_size: int, summary: dict,
               write: Callable[[str], None]):
-    """``wandb.init`` for ``logging.wandb`` (offline instead of online when no API key or login is found;
-    ``write`` says so), with ``summary`` in the run's summary."""
+    """``wandb.init`` for ``logging.wandb`` in ``mode`` (``wandb_mode``; offline instead of online when no API key
+    or login is found), with ``summary`` in the run's summary; ``write`` gets one line saying where the run is and
+    how to read it without a browser."""
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
-    mode = wandb_cfg.mode
     if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
         write("logging.wandb.mode=online but neither WANDB_API_KEY nor a `wandb login` was found: logging "
               f"offline to {run_dir / 'wandb'} (upload later with `wandb sync`)")
@@ -106,6 +115,9 @@ def start_run(wandb_cfg, config_dict: dict, run_dir: Path, run_id: str, world_si
                      tags=list(wandb_cfg.tags), mode=mode, dir=str(run_dir), config=config_dict,
                      id=run_id, resume="allow")
     run.summary.update(summary)
+    where = run.settings.sync_dir
+    write(f"W&B: {mode} run {where}" + (f" ({run.url})" if run.url else "") + f"; view it in a terminal with `wandb "
+          f"leet {where}`" + (f", upload it with `wandb sync {where}`" if mode == "offline" else ""))
     return run
 
 
