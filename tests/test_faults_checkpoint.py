@@ -314,3 +314,44 @@ def test_two_ranks_agree_on_the_fallback_when_only_one_rank_sees_the_damage(tmp_
     assert [m["step"] for m in rest] == [3, 4, 5, 6]
     assert_losses_match(rest[:2], first[2:4], rel=0)
     assert verifies(ck / sd(4)) and verifies(ck / sd(6))
+
+
+# ---- a real SIGKILL between a step dir's rename and the `latest` update --------------------------------------
+KILL_BEFORE_LATEST = """
+import os, runpy, signal, sys
+import checkpoint.manager as m
+write_latest = m.CheckpointManager._write_latest
+
+def killed(self, name, quiet=False):   # step_00000004 is complete and renamed: die before `latest` names it
+    if name == "step_00000004":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write_latest(self, name, quiet)
+
+m.CheckpointManager._write_latest = killed
+sys.argv = ["trainer", *sys.argv[1:]]
+runpy.run_module("trainer", run_name="__main__")
+"""
+
+
+def test_sigkill_between_rename_and_latest_resumes_from_the_complete_dir(tmp_path, base):
+    """The process dies (SIGKILL, no handler runs) right after step 4's dir is renamed into place, before
+    `latest` is re-pointed from step 2: checkpoint.resume=auto takes step 4, and the losses match."""
+    import subprocess
+    import sys
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    args = [*base.common, f"hydra.run.dir={run}", f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.keep=0"]
+    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_LATEST, *args], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (ck / "latest").read_text().strip() == sd(2) and verifies(ck / sd(4))
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from {ck / sd(4)} at step 4" in done.stdout, done.stdout[-2000:]
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    ref = run_cli(*[a for a in args if not a.startswith(("hydra.run.dir", "checkpoint.dir"))],
+                  f"hydra.run.dir={tmp_path / 'ref'}", f"checkpoint.dir={tmp_path / 'ref_ck'}")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    want = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "ref/metrics.jsonl")}
+    assert {r["step"]: r["loss"] for r in rows} == want

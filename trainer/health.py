@@ -32,7 +32,7 @@ COLLAPSED_GRAD_NORM = 1e-8  # below it the model produces no gradient
 LEARNED = 0.95            # "had learned": the last healthy loss below this share of ln(vocab)
 AT_UNIFORM = 0.01         # "back at ln(vocab)": within this share of it
 FULL_IMBALANCE = 0.99     # "every token to the same experts": max/mean load at this share of experts / top-k ...
-BALANCED = 0.5            # ... when the last healthy step's was below this share (small models run near the limit)
+BALANCED = 0.5            # ... when the last healthy step's was below this share (small models run near it)
 
 
 @dataclass
