@@ -339,7 +339,8 @@ def test_sigkill_between_rename_and_latest_resumes_from_the_complete_dir(tmp_pat
     import subprocess
     import sys
     run, ck = tmp_path / "run", tmp_path / "ck"
-    args = [*base.common, f"hydra.run.dir={run}", f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.keep=0"]
+    args = ["+exp=tiny", *base.common, f"hydra.run.dir={run}", f"checkpoint.dir={ck}", "checkpoint.every=2",
+            "checkpoint.keep=0"]
     env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_LATEST, *args], cwd=Path(__file__).parents[1],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -350,8 +351,4 @@ def test_sigkill_between_rename_and_latest_resumes_from_the_complete_dir(tmp_pat
     assert f"resumed from {ck / sd(4)} at step 4" in done.stdout, done.stdout[-2000:]
     rows = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    ref = run_cli(*[a for a in args if not a.startswith(("hydra.run.dir", "checkpoint.dir"))],
-                  f"hydra.run.dir={tmp_path / 'ref'}", f"checkpoint.dir={tmp_path / 'ref_ck'}")
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    want = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "ref/metrics.jsonl")}
-    assert {r["step"]: r["loss"] for r in rows} == want
+    assert {r["step"]: r["loss"] for r in rows} == base.losses   # the uninterrupted run's
