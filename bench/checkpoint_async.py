@@ -82,14 +82,15 @@ def main() -> None:
         state_mb = sum(f.stat().st_size for f in ck.glob("step_*/*")) / len(list(ck.glob("step_*"))) / 2**20
     load1 = os.getloadavg()
     cycle = {k: statistics.median(out[k]["cycle"]) for k in KINDS}
-    cost = {k: statistics.median(c - n for c, n in zip(out[k]["cycle"], out["none"]["cycle"])) for k in ("sync", "async")}
+    cost = {k: statistics.median(c - n for c, n in zip(out[k]["cycle"], out["none"]["cycle"]))
+            for k in ("sync", "async")}
     step = cycle["none"] / args.every
     print(f"a cycle: {args.every} steps; {len(out['none']['cycle'])} rounds; checkpoint {state_mb:.1f} MiB; torch "
           f"threads {args.threads}; load average {load0[0]:.1f} -> {load1[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"step without a save: {step * 1e3:.0f} ms (median cycle {cycle['none']:.3f} s)")
     for k in ("sync", "async"):
-        print(f"{k:>5}: median cycle {cycle[k]:.3f} s, a save costs {cost[k] * 1e3:.0f} ms ({cost[k] / step:.2f} steps), "
-              f"held the loop {statistics.median(out[k]['held']) * 1e3:.0f} ms")
+        print(f"{k:>5}: median cycle {cycle[k]:.3f} s, a save costs {cost[k] * 1e3:.0f} ms "
+              f"({cost[k] / step:.2f} steps), held the loop {statistics.median(out[k]['held']) * 1e3:.0f} ms")
     print(f"async / sync: {cost['async'] / cost['sync']:.2f}")
 
 

@@ -61,8 +61,9 @@ from torch.distributed.tensor import DTensor
 from .files import _dist, _from_checkpoint_exception, _fsync_dir, _guard, _Reader, _write_synced, _Writer
 from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError, HASH,
                         MANIFEST, MANIFEST_FORMAT, NoGoodCheckpointError, NonFiniteStateError, STEP_DIR, Verdict,
-                        _digests, _explicit_message, _oneline, _os_error, _single_process_quiet, _SINGLE_PROCESS, _step_of,
-                        _structure_problems, _warn, file_digest, first_nonfinite, merge, step_dir_name, verify_local)
+                        _digests, _explicit_message, _oneline, _os_error, _single_process_quiet, _SINGLE_PROCESS,
+                        _step_of, _structure_problems, _warn, file_digest, first_nonfinite, merge, step_dir_name,
+                        verify_local)
 
 
 HEALTH = "health.json"   # {"healthy": bool}: the trainer's health guard when the step was saved (trainer/health.py)

@@ -5,7 +5,6 @@ write ends the run with one line and exit 3, leaving nothing that resume would p
 import errno
 import json
 import os
-import runpy
 import shutil
 import signal
 import subprocess
