@@ -1,7 +1,8 @@
 """checkpoint.async_save: periodic saves staged to CPU memory and written on a background thread. The
 checkpoints are bit for bit those of synchronous saves and resume to the same losses (one and two ranks); a
 stop signal while a save is in flight completes it, saves the stop's step and stops; a failed background
-write ends the run with one line and exit 3, leaving nothing that resume would pick."""
+write ends the run with the one line and exit 2 of a failed synchronous save, leaving nothing that resume
+would pick."""
 import errno
 import json
 import os
@@ -18,8 +19,8 @@ import pytest
 import torch
 
 import checkpoint.manager as ckpt_mod
-from checkpoint import CheckpointManager
-from trainer.lifecycle import EXIT_FAILED, TrainingError
+from checkpoint import CheckpointManager, CheckpointWriteError
+from trainer.lifecycle import EXIT_CONFIG
 
 from .dist_utils import spawn
 from .trainer_utils import ROOT, assert_losses_match, fast_overrides, make_config, read_jsonl, run_inprocess, \
@@ -243,7 +244,7 @@ runpy.run_module("trainer", run_name="__main__", alter_sys=True)
 """
 
 
-def test_failed_background_write_is_one_line_exit_3_and_resume_takes_the_previous(tmp_path):
+def test_failed_background_write_is_one_line_exit_2_and_resume_takes_the_previous(tmp_path):
     ck, run = tmp_path / "ck", tmp_path / "run"
     common = [*fast_overrides(tmp_path, tmp_path / "cache"), *SMALL, "train.max_steps=8", "checkpoint.every=2",
               f"checkpoint.dir={ck}", ASYNC]
@@ -251,7 +252,7 @@ def test_failed_background_write_is_one_line_exit_3_and_resume_takes_the_previou
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run([sys.executable, "-c", FAIL_STEP_4, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=env)
-    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+    assert proc.returncode == EXIT_CONFIG, proc.stderr[-3000:]
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and len(err) == 1, proc.stderr[-3000:]
     want = (f"error: checkpoint.dir: saving step 4 to {ck / sd(4)} failed: rank 0: {ck / ('.tmp-' + sd(4))}/__0_0"
@@ -283,7 +284,7 @@ def _fail_worker(rank, world, tmp):
                       "checkpoint.every=2", "parallel.ep=2", "parallel.timeout_s=120", ASYNC, world_size=world)
     dims = ParallelDims(world_size=world, rank=rank, ep=2, timeout_s=120).build_groups()
     trainer = Trainer(cfg, Path(tmp) / "run", dims, torch.device("cpu"))
-    with pytest.raises(TrainingError) as e:
+    with pytest.raises(CheckpointWriteError) as e:
         trainer.train()
     msg = str(e.value)
     assert msg.startswith(f"checkpoint.dir: saving step 4 to {Path(tmp) / 'run' / 'checkpoints' / sd(4)} failed: "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointManager, CheckpointWriteError
+from checkpoint import CheckpointManager
 from configs.schema import Config
 from data import BlendedBatches, batch_size_at, use_offline_hub
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
@@ -297,14 +297,11 @@ class Trainer:
 
     def _saved_in_background(self) -> None:
         """Wait for the save in the background (checkpoint.async_save), if any, and log it. Every rank calls it at
-        the same step: its failure (a full disk, ...) ends the run with one line, exit 3."""
+        the same step; its failure raises what a synchronous save's would (``CheckpointWriteError``: exit 2)."""
         if not self.ckpt.in_flight():
             return
-        try:
-            with self.phase("checkpoint save in the background", step=self._saved_step):
-                done = self.ckpt.wait()
-        except CheckpointWriteError as e:
-            raise TrainingError(str(e)) from None
+        with self.phase("checkpoint save in the background", step=self._saved_step):
+            done = self.ckpt.wait()
         self._log_saved(done)
 
     def _log_saved(self, done: tuple[int, Path, float] | None) -> None:
