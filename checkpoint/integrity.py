@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -258,9 +259,17 @@ def first_nonfinite(state: dict) -> Optional[str]:
     return min(bad, key=lambda n: order.get(n, 0))
 
 
+_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+
+
 @contextlib.contextmanager
 def _single_process_quiet():
-    """DCP warns on every call without a process group; one process is a supported layout here."""
+    """DCP warns on every call without a process group; one process is a supported layout here. Off the main
+    thread it does nothing: ``catch_warnings`` swaps process-wide state (a background save's manager filters
+    the warning for good instead)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         yield

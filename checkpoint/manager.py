@@ -17,6 +17,12 @@ anything is written; a failed write (full disk, ...) removes the temp dir, names
 touches no earlier checkpoint. Old checkpoints are pruned only after a save succeeded, and never one newer
 than it (a newer dir is another timeline or damaged: left for the user).
 
+In the background (``save_async``, ``checkpoint.async_save``): the same save, in the same order, but after the
+non-finite check and the temp dir the caller's state is copied to CPU memory (``stage``) and the rest (DCP write,
+digests, manifest, rename, ``latest``, pruning) runs on one background thread, whose collectives use a gloo group
+of their own, issued in the same order on every rank. One save at a time: the next save, ``wait`` and ``close``
+wait for it first; ``wait`` re-raises its ``CheckpointWriteError``.
+
 Load: ``resolve("auto")`` tries the step dir named by ``latest`` first (validated; preceded by any newer dir
 completed after ``latest`` was written: a save killed before it could update ``latest``), then every
 ``step_*`` dir newest first; damaged ones are skipped with a warning naming the dir and the file (if none verifies:
@@ -34,6 +40,7 @@ Names, manifest, verification, the non-finite check and the errors live in ``che
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -41,18 +48,22 @@ import shutil
 import socket
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from .files import _dist, _from_checkpoint_exception, _fsync_dir, _guard, _Reader, _write_synced, _Writer
 from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError, HASH,
                         MANIFEST, MANIFEST_FORMAT, NoGoodCheckpointError, NonFiniteStateError, STEP_DIR, Verdict,
-                        _digests, _explicit_message, _oneline, _os_error, _single_process_quiet, _step_of,
-                        _structure_problems, _warn, file_digest, first_nonfinite, merge, step_dir_name, verify_local)
+                        _digests, _explicit_message, _oneline, _os_error, _single_process_quiet, _SINGLE_PROCESS,
+                        _step_of, _structure_problems, _warn, file_digest, first_nonfinite, merge, step_dir_name,
+                        verify_local)
 
 
 HEALTH = "health.json"   # {"healthy": bool}: the trainer's health guard when the step was saved (trainer/health.py)
@@ -89,29 +100,61 @@ def write_manifest(path: Path, step: int, digests: dict[str, tuple[int, str]] | 
     _fsync_dir(Path(path))
 
 
+def stage(tree: Any) -> Any:
+    """A CPU copy of a state to save, for a background write while training changes the original: tensors
+    copied (bit for bit), DTensors as DTensors over copies of their local pieces, anything else deep-copied."""
+    if isinstance(tree, DTensor):
+        return DTensor.from_local(stage(tree.to_local()), tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: stage(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(stage(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
 class CheckpointManager:
     def __init__(self, root: str | os.PathLike, keep: int = 3, is_writer: bool = True,
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, background: bool = False,
+                 timeout_s: float | None = None):
+        """``background``: ``save_async`` may be used (a writer thread, and with several ranks a gloo group
+        of its own, created here: every rank constructs the manager at the same point); ``timeout_s``: that
+        group's collective timeout."""
         self.root = Path(root).expanduser()
         self.keep = keep
         self.is_writer = is_writer
         dist = _dist()
         self.rank = rank if rank is not None else (dist.get_rank() if dist else 0)
         self.world = world_size if world_size is not None else (dist.get_world_size() if dist else 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._group = None
+        self._pending: Future | None = None
+        if background:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            if self.world > 1:
+                self._group = torch.distributed.new_group(
+                    backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                    group_desc="checkpoint")
+            # DCP's warning for one process, for good: the writer thread cannot scope it (catch_warnings is
+            # process-wide state, not thread-safe)
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
 
-    # ---- collectives (the default group: every rank calls save/resolve/check_writable) ----------------
-    def _all_gather(self, obj: Any) -> list:
+    # ---- collectives (the default group: every rank calls save/resolve/check_writable; the background
+    # write: its own group) --------------------------------------------------------------------------------
+    def _all_gather(self, obj: Any, group=None) -> list:
         if self.world == 1:
             return [obj]
         out: list = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
+        torch.distributed.all_gather_object(out, obj, group=group)
         return out
 
-    def _broadcast(self, obj: Any) -> Any:
+    def _broadcast(self, obj: Any, group=None) -> Any:
         if self.world == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
     # ---- discovery -------------------------------------------------------------------------------------
@@ -265,6 +308,61 @@ class CheckpointManager:
         """Write ``state`` (DCP) plus small text ``files`` as ``step_<step>`` with a manifest; atomic for
         readers. Collective: every rank calls it. Raises ``NonFiniteStateError`` (nothing written) or
         ``CheckpointWriteError`` (temp dir removed, earlier checkpoints untouched, nothing pruned)."""
+        self.wait()
+        tmp, final = self._begin(step, state)
+        return self._write(step, state, tmp, final, files or {})
+
+    def save_async(self, step: int, state: dict[str, Any], files: dict[str, str] | None = None) -> Path:
+        """``save`` with the write in the background: waits for the previous background save (raising its
+        error), checks and stages ``state`` (a CPU copy: the caller may change ``state`` once this returns),
+        then writes it on the writer thread; returns the step dir it will be. ``NonFiniteStateError`` is raised
+        here; a failed write is raised by ``wait`` (``failed`` says so first, without waiting)."""
+        if self._pool is None:
+            raise RuntimeError("CheckpointManager.save_async needs CheckpointManager(..., background=True)")
+        self.wait()
+        tmp, final = self._begin(step, state)
+        staged = stage(state)
+        t0 = time.perf_counter()
+
+        def write() -> tuple[int, Path, float]:
+            path = self._write(step, staged, tmp, final, files or {}, self._group)
+            return step, path, time.perf_counter() - t0
+        self._pending = self._pool.submit(write)
+        return final
+
+    def wait(self) -> Optional[tuple[int, Path, float]]:
+        """Wait for the background save, if one is in flight: (step, its step dir, seconds it took); re-raises
+        its ``CheckpointWriteError``. Collective in effect: the write's collectives wait for every rank's."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def poll(self) -> Optional[tuple[int, Path, float]]:
+        """``wait``'s result if the background save has completed on this rank without error, else None
+        (running, failed: see ``failed``, or none). Local: ranks may see the end at different steps."""
+        if self._pending is not None and self._pending.done() and self._pending.exception() is None:
+            return self.wait()
+        return None
+
+    def in_flight(self) -> bool:
+        """Whether a background save was started and not yet waited for (it may have ended)."""
+        return self._pending is not None
+
+    def failed(self) -> bool:
+        """Whether the background save ended with an error on this rank (``wait`` raises it). Local: agree on
+        it across ranks (every rank's write fails together, but they may see it at different steps)."""
+        return self._pending is not None and self._pending.done() and self._pending.exception() is not None
+
+    def close(self) -> None:
+        """Wait for the background save (raising its error) and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+
+    def _begin(self, step: int, state: dict[str, Any]) -> tuple[Path, Path]:
+        """The start of a save, on the caller's thread and the default group: refuse a non-finite ``state``, make
+        a fresh temp dir; (temp dir, final step dir)."""
         final = self.root / step_dir_name(step)
         tmp = self.root / f".tmp-{final.name}"   # same name on every rank
         bad = [(r, b) for r, b in enumerate(self._all_gather(_guard(lambda: first_nonfinite(state)))) if b]
@@ -274,7 +372,6 @@ class CheckpointManager:
                 f"checkpoint: refusing to save step {step}: {where} holds inf or nan, so nothing was written "
                 f"(earlier checkpoints are untouched). Resume from an earlier checkpoint "
                 f"(checkpoint.resume=auto or <step dir>) with a lower optim.lr or checked data")
-
         err = None   # (message, errno), agreed by all ranks before each collective DCP step
         if self.is_writer:
             try:
@@ -284,42 +381,54 @@ class CheckpointManager:
             except OSError as e:
                 err = (_os_error(e), e.errno)
         err = self._broadcast(err)
-        digests: dict[str, tuple[int, str]] = {}
-        if err is None:
-            writer = _Writer(str(tmp))
-            try:
-                with _single_process_quiet():
-                    dcp.save(state, storage_writer=writer)
-                digests = _digests(tmp, writer.written())   # this rank's shards: still in the page cache
-            except CheckpointException as e:      # raised on every rank when any rank failed
-                err = _from_checkpoint_exception(e)
-            except OSError as e:
-                err = (f"rank {self.rank}: {_os_error(e)}", e.errno)
-            gathered = self._all_gather((digests, err))
-            err = next((g[1] for g in gathered if g[1] is not None), None)
-            if err is None and self.is_writer:
-                for d, _ in gathered:
-                    digests.update(d)
-                try:
-                    self._finish(step, tmp, final, files or {}, digests)
-                except OSError as e:
-                    err = (_os_error(e), e.errno)
-                except DamagedCheckpointError as e:
-                    err = (str(e), None)
-            err = self._broadcast(err)
         if err is not None:
-            if self.is_writer:
-                shutil.rmtree(tmp, ignore_errors=True)
-            msg, code = err
-            prev = self.latest()
-            raise CheckpointWriteError(
-                f"checkpoint.dir: saving step {step} to {final} failed: {msg}. The partial save was removed; "
-                f"earlier checkpoints are untouched (newest: {prev if prev else 'none'}) and none was pruned. Free "
-                f"space or fix {self.root}, then resume with checkpoint.resume=auto", code)
+            self._failed(step, tmp, final, err)
+        return tmp, final
+
+    def _write(self, step: int, state: dict[str, Any], tmp: Path, final: Path, files: dict[str, str],
+               group=None) -> Path:
+        """The rest of a save, after ``_begin``: DCP write, digests, manifest, rename, ``latest``, pruning.
+        ``group``: the process group of its collectives (None: the default)."""
+        digests: dict[str, tuple[int, str]] = {}
+        err = None
+        writer = _Writer(str(tmp))
+        try:
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=writer, process_group=group)
+            digests = _digests(tmp, writer.written())   # this rank's shards: still in the page cache
+        except CheckpointException as e:      # raised on every rank when any rank failed
+            err = _from_checkpoint_exception(e)
+        except OSError as e:
+            err = (f"rank {self.rank}: {_os_error(e)}", e.errno)
+        gathered = self._all_gather((digests, err), group)
+        err = next((g[1] for g in gathered if g[1] is not None), None)
+        if err is None and self.is_writer:
+            for d, _ in gathered:
+                digests.update(d)
+            try:
+                self._finish(step, tmp, final, files, digests)
+            except OSError as e:
+                err = (_os_error(e), e.errno)
+            except DamagedCheckpointError as e:
+                err = (str(e), None)
+        err = self._broadcast(err, group)
+        if err is not None:
+            self._failed(step, tmp, final, err)
         if self.is_writer:
             self._write_latest(final.name)
             self._prune(final)
         return final
+
+    def _failed(self, step: int, tmp: Path, final: Path, err: tuple[str, int | None]) -> None:
+        """Remove the temp dir (writer) and raise the ``CheckpointWriteError`` of a failed save."""
+        if self.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        msg, code = err
+        prev = self.latest()
+        raise CheckpointWriteError(
+            f"checkpoint.dir: saving step {step} to {final} failed: {msg}. The partial save was removed; "
+            f"earlier checkpoints are untouched (newest: {prev if prev else 'none'}) and none was pruned. Free "
+            f"space or fix {self.root}, then resume with checkpoint.resume=auto", code)
 
     def _finish(self, step: int, tmp: Path, final: Path, files: dict[str, str],
                 digests: dict[str, tuple[int, str]]) -> None:

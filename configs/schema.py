@@ -190,6 +190,10 @@ class CheckpointConfig:
     init_from: Optional[str] = None
     keep: int = 3                     # newest checkpoints kept; 0 keeps all
     save_final: bool = True
+    # Periodic saves (checkpoint.every) copy the state to CPU memory and write it on a background thread while
+    # training goes on; a save waits for the one before, a stop and the run's end for the last. A failed write
+    # ends the run like a failed synchronous save (exit 2). Costs a CPU copy of this rank's state.
+    async_save: bool = False
 
 
 @dataclass

@@ -21,7 +21,9 @@ step to trace, counting from 1). Each rank also appends its records as it goes t
 files can be compared offline: ``python -m tools.collective_trace <run dir>/collective_trace``.
 
 Calls through ``torch.distributed``'s module attributes are seen (``dist.all_reduce``, also from
-DeepSpeed's comm layer); functional collectives, DTensor redistribution and checkpoint I/O are not.
+DeepSpeed's comm layer); functional collectives, DTensor redistribution and checkpoint I/O are not, nor calls
+from other threads than the one that entered the trace (a background checkpoint write issues its own, on its own
+group, whenever it gets there).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -97,9 +100,11 @@ class CollectiveTrace:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.log = open(Path(log_dir) / f"rank{self.rank}.jsonl", "w")
         self._saved: dict[str, Any] = {}
+        self._thread: int | None = None
 
     # ---- recording ---------------------------------------------------------------------------------
     def __enter__(self) -> CollectiveTrace:
+        self._thread = threading.get_ident()
         for name in COLLECTIVES + P2P:
             fn = getattr(dist, name, None)
             if fn is not None:
@@ -118,9 +123,10 @@ class CollectiveTrace:
         sig = inspect.signature(fn)
 
         def traced(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            self._record(name, bound.arguments)
+            if threading.get_ident() == self._thread:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                self._record(name, bound.arguments)
             return fn(*args, **kwargs)
         traced.__wrapped__ = fn
         return traced

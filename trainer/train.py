@@ -64,7 +64,8 @@ class Trainer:
                                        enabled=self.precision.autocast is not None)
         # Before anything slow: an unwritable checkpoint.dir fails now (one line), not at the first save.
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                      is_writer=self.dims.is_main)
+                                      is_writer=self.dims.is_main, background=cfg.checkpoint.async_save,
+                                      timeout_s=cfg.parallel.timeout_s)
         if cfg.checkpoint.every or cfg.checkpoint.save_final:
             self.ckpt.check_writable()
             if not self.ckpt.root.resolve().is_relative_to(self.run_dir.resolve()):
@@ -107,6 +108,7 @@ class Trainer:
         self.resumed_from = self.maybe_resume()
         self.stops = StopRequests(self.dims.rank)   # installed by train(), for the whole loop
         self.stop_requested = False
+        self.save_failed = False   # a background save (checkpoint.async_save) failed on some rank: agreed per step
         self.skipped_in_a_row = 0
         self._saved_step, self._saved_path = None, None
         self._busy_s, self._rank_busy, self._comm_s = 0.0, None, 0.0   # this rank's compute seconds of the last step; every rank's
@@ -136,9 +138,10 @@ class Trainer:
             run_state.resume(self, self._resume_path)
         return self._resume_path
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path:
+        """Save the current step; ``background``: stage it and write it in the background (``save_async``)."""
         files = run_state.checkpoint_files(self)
-        return self.ckpt.save(self.step, self.state_dict(), files)
+        return (self.ckpt.save_async if background else self.ckpt.save)(self.step, self.state_dict(), files)
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -174,6 +177,7 @@ class Trainer:
         metrics = self._run_steps(end_step, trace_step, summary)
         if self.cfg.checkpoint.save_final and self.step > start_step and "stopped" not in summary:
             self._save_once()   # a stop request now changes nothing: this save is the last one anyway
+        self._saved_in_background()   # the last periodic save, if save_final did not wait for it
         self._finish(summary, metrics, time.perf_counter() - start, self.tokens - start_tokens)
         return summary | {"last": metrics}
 
@@ -185,6 +189,9 @@ class Trainer:
         while self.step < end_step:
             metrics = self.traced_step() if trace_step == self.step + 1 else self.train_step()
             self.beat()
+            if self.save_failed:   # every rank agreed on it in this step's check: each waits for its own end of it
+                self._saved_in_background()   # raises
+            self._log_saved(self.ckpt.poll())
             if self.check_health(metrics):   # rolled back: this step's timeline is abandoned
                 continue
             if self.stop_requested:   # every rank agreed on it in this step's check
@@ -205,7 +212,7 @@ class Trainer:
                     f"from an earlier checkpoint (checkpoint.resume=<step dir>)")
             every = self.cfg.checkpoint.every
             if every and self.step % every == 0:
-                self._save_once()
+                self._save_once(background=self.cfg.checkpoint.async_save)
         return metrics
 
     def _finish(self, summary: dict, metrics: dict, elapsed: float, tok: int) -> None:
@@ -223,14 +230,18 @@ class Trainer:
             self.ema.wait()
         self.logger.close()
 
-    def _save_once(self) -> Path:
-        """Save the current step unless it is already saved."""
+    def _save_once(self, background: bool = False) -> Path:
+        """Save the current step unless it is already saved, after the save in the background (if any) is done.
+        ``background`` (checkpoint.async_save, periodic saves): stage the state and write it in the background."""
         if self._saved_step != self.step:
+            self._saved_in_background()
             with self.phase("checkpoint save", step=self.step):
                 t0 = time.perf_counter()
-                self._saved_path, self._saved_step = self.save(), self.step
-            self.logger.write(f"checkpoint saved: {self._saved_path} (step {self.step}, "
-                              f"{time.perf_counter() - t0:.1f} s)")
+                self._saved_path, self._saved_step = self.save(background), self.step
+            took = f"{time.perf_counter() - t0:.1f} s"
+            self.logger.write(f"checkpoint staged: {self._saved_path} (step {self.step}, {took}; written in the "
+                              f"background)" if background else
+                              f"checkpoint saved: {self._saved_path} (step {self.step}, {took})")
         return self._saved_path
 
     def check_health(self, metrics: dict) -> bool:
@@ -256,6 +267,7 @@ class Trainer:
         is skipped. The target is saved again at once with that position and the guard's record, so a resume
         skips the same data. Stops the run (exit 3) after ``train.health.max_rollbacks`` or without a target."""
         h, g, bad = self.cfg.train.health, self.health, self.step
+        self._saved_in_background()   # complete (it may be the target) before the checkpoints are looked at
         with self.phase("rollback: finding a healthy checkpoint", step=bad):
             target = self.ckpt.newest_healthy(before_step=bad)
         if g.rollbacks >= h.max_rollbacks:
@@ -283,21 +295,38 @@ class Trainer:
         self._saved_step = None
         self._save_once()   # the target again, with the new data position and the guard's record
 
+    def _saved_in_background(self) -> None:
+        """Wait for the save in the background (checkpoint.async_save), if any, and log it. Every rank calls it at
+        the same step; its failure raises what a synchronous save's would (``CheckpointWriteError``: exit 2)."""
+        if not self.ckpt.in_flight():
+            return
+        with self.phase("checkpoint save in the background", step=self._saved_step):
+            done = self.ckpt.wait()
+        self._log_saved(done)
+
+    def _log_saved(self, done: tuple[int, Path, float] | None) -> None:
+        if done is not None:
+            step, path, seconds = done
+            self.logger.write(f"checkpoint saved: {path} (step {step}, {seconds:.1f} s in the background)")
+
     def check_step(self, sums: torch.Tensor) -> list[int]:
         """One reduction per step, before the update: the ranks whose loss or gradients hold inf/nan,
-        (``self.stop_requested``) whether any rank was asked to stop, and (``self._rank_busy``) every rank's
-        compute seconds of the previous step (straggler metrics)."""
+        (``self.stop_requested``) whether any rank was asked to stop, (``self.save_failed``) whether any rank's
+        background save failed, and (``self._rank_busy``) every rank's compute seconds of the previous step
+        (straggler metrics)."""
         w = self.dims.world_size
-        flags = torch.zeros(2 * w + 1 if w > 1 else w + 1, dtype=torch.float64, device=self.device)
+        flags = torch.zeros(2 * w + 2 if w > 1 else w + 2, dtype=torch.float64, device=self.device)
         flags[self.dims.rank] = (~(torch.isfinite(sums).all() & self.opt.grads_finite())).double()
         flags[w] = float(self.stops.signal is not None)
+        flags[w + 1] = float(self.ckpt.failed())
         if w > 1:
-            flags[w + 1 + self.dims.rank] = self._busy_s
+            flags[w + 2 + self.dims.rank] = self._busy_s
             with self.phase("non-finite / stop check (world all-reduce)"):
                 torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         flags = flags.tolist()
         self.stop_requested = self.stop_requested or flags[w] > 0
-        self._rank_busy = flags[w + 1:] if w > 1 and self._busy_s > 0 else None
+        self.save_failed = flags[w + 1] > 0
+        self._rank_busy = flags[w + 2:] if w > 1 and self._busy_s > 0 else None
         return [r for r in range(w) if flags[r] > 0]
 
     def straggler_metrics(self) -> dict:
