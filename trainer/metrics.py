@@ -5,10 +5,13 @@ MFU = tokens_per_s * FLOPs per token / (world size * peak FLOP/s per device). Th
 tensor-core FLOP/s from ``PEAK_FLOPS`` by device name, or ``$DSV3_PEAK_TFLOPS`` (TFLOP/s per device;
 set it for a GPU not in the table, or to compare a CPU against a peak you choose).
 
-``metrics.jsonl`` / ``eval.jsonl`` hold one strict-JSON line per step (non-finite numbers as ``null``). A run
-that resumes from a checkpoint at step k first cuts both files back to step k, so the steps it redoes appear
-once. The W&B run id is chosen once per run lineage (``$WANDB_RUN_ID``, else the id saved in the checkpoint
-being resumed, else a new one) and written into every checkpoint (``wandb_run_id.txt``): a resumed run
+``metrics.jsonl`` / ``eval.jsonl`` hold one strict-JSON line per step (non-finite numbers as ``null``);
+``expert_load.jsonl`` one per expert-load window (``trainer.expert_load``: every ``heatmap_every`` steps and at
+the last one, the windows of W&B's heatmap): ``{"step": N, "from_step": M, "load_over_mean": [[per expert] per
+MoE layer]}``, each layer's tokens per expert over steps M..N / their mean, 4 decimals. A run that resumes from a
+checkpoint at step k first cuts all three back to step k, so the steps it redoes appear once (a rollback too).
+The W&B run id is chosen once per run lineage (``$WANDB_RUN_ID``, else the id saved in the checkpoint being
+resumed, else a new one) and written into every checkpoint (``wandb_run_id.txt``): a resumed run
 continues the same W&B run. Offline runs can be read back without network with
 ``trainer.wandb_log.read_offline_run``.
 
@@ -31,6 +34,7 @@ from data import micro_batches
 from errors import writing
 from models.params import FLOPS_FORMULA, flops_per_token
 
+from .expert_load import LoadWindow, Window
 from .wandb_panels import WandbPanels, start_run, wandb_mode
 
 # Dense (no sparsity) BF16 tensor-core peak per device, FLOP/s. First substring match of the CUDA
@@ -41,6 +45,9 @@ PEAK_FLOPS: list[tuple[str, float]] = [
 ]
 PER_RANK_LIMIT = 64   # log memory/rank<r>_peak_gb for worlds up to this size
 RUN_ID_FILE = "wandb_run_id.txt"   # in every checkpoint dir: the W&B run id of the run that wrote it
+# The run dir's step files (a resume or a rollback cuts each back): file name, what it holds.
+STEP_FILES = {"metrics.jsonl": "the step metrics", "eval.jsonl": "the validation losses",
+              "expert_load.jsonl": "the expert loads"}
 RUN_DIR_FIX = ("Free space on its disk (or fix its permissions) and run again: checkpoint.resume=auto continues from "
                "the newest checkpoint, which this did not touch")
 
@@ -176,10 +183,11 @@ def saved_run_id(checkpoint: str | Path | None) -> str | None:
 class MetricsLogger:
     """One per rank; only rank 0 (``is_main``) writes. ``config_dict`` is the full run config as a dict;
     ``device`` and ``world_size`` give MFU and per-rank numbers. ``heatmap_every``: steps between expert-load
-    heatmaps (default ``total_steps // 20``; one is also drawn at the end).
+    windows, each a W&B heatmap and a line of ``expert_load.jsonl`` (default ``total_steps // 20``; one also at the
+    end).
 
-    ``start_step``: the step the run starts from (the resumed checkpoint's); ``metrics.jsonl`` and
-    ``eval.jsonl`` are first cut back to it. ``run_id``: the W&B run id saved in that checkpoint
+    ``start_step``: the step the run starts from (the resumed checkpoint's); ``metrics.jsonl``, ``eval.jsonl``
+    and ``expert_load.jsonl`` are first cut back to it. ``run_id``: the W&B run id saved in that checkpoint
     (``saved_run_id``); ``$WANDB_RUN_ID`` overrides it, and without either a new id is drawn. The id is
     ``self.run_id`` (rank 0), for the trainer to save with each checkpoint."""
 
@@ -193,16 +201,16 @@ class MetricsLogger:
         self.world_size = world_size
         self.total_steps = total_steps
         self.run_id = (os.environ.get("WANDB_RUN_ID") or run_id or new_run_id()) if is_main else None
-        self._file = self._eval_file = self._log = None
+        self._log, self._files = None, {}
         if is_main:
             self._log = self._open("train.log", "the run log")
-            cut = {name: cut_back(self.run_dir / name, start_step) for name in ("metrics.jsonl", "eval.jsonl")}
-            self._file = self._open("metrics.jsonl", "the step metrics")
-            self._eval_file = self._open("eval.jsonl", "the validation losses")
+            cut = {name: cut_back(self.run_dir / name, start_step) for name in STEP_FILES}
+            self._open_step_files()
         self.wandb: WandbPanels | None = None
         self.bar = None
         self._last_step = self._first_step = start_step
         self._totals = {"tokens": 0.0, "time": 0.0, "mem_peak_gb": None, "mem_peak_rank": None}
+        self._loads = LoadWindow(heatmap_every or max(1, total_steps // 20), total_steps, start_step)
         if not is_main:
             return
         self.seq_len = config_dict["data"]["seq_len"]
@@ -220,8 +228,7 @@ class MetricsLogger:
             with self._wandb_writing("the W&B run"):
                 run = start_run(wandb_cfg, mode, config_dict, self.run_dir, self.run_id, world_size, summary,
                                 self.write)
-            self.wandb = WandbPanels(run, self.static, total_steps, heatmap_every or max(1, total_steps // 20),
-                                     start_step)
+            self.wandb = WandbPanels(run, self.static, start_step)
         if progress and sys.stderr.isatty():   # a bar for terminals; log files get the plain lines
             from tqdm.auto import tqdm
             # ETA from the step rate; redraw rarely when stderr is a log file rather than a terminal.
@@ -229,20 +236,23 @@ class MetricsLogger:
                             mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
     def rewind(self, step: int) -> None:
-        """After a rollback to ``step``: ``metrics.jsonl`` and ``eval.jsonl`` cut back to it, as on a resume (the
-        steps after it are redone; ``train.log`` keeps the lines that say why)."""
+        """After a rollback to ``step``: ``metrics.jsonl``, ``eval.jsonl`` and ``expert_load.jsonl`` cut back to it,
+        as on a resume (the steps after it are redone; ``train.log`` keeps the lines that say why)."""
         if not self.is_main:
             return
-        self._file.close()
-        self._eval_file.close()
-        for name in ("metrics.jsonl", "eval.jsonl"):
+        for f in self._files.values():
+            f.close()
+        for name in STEP_FILES:
             cut_back(self.run_dir / name, step)
-        self._file = self._open("metrics.jsonl", "the step metrics")
-        self._eval_file = self._open("eval.jsonl", "the validation losses")
+        self._open_step_files()
+        self._loads.restart(step)
         self._last_step = step
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()
+
+    def _open_step_files(self) -> None:
+        self._files = {name: self._open(name, what) for name, what in STEP_FILES.items()}
 
     def _open(self, name: str, what: str):
         with run_dir_writing(self.run_dir / name, what):
@@ -297,12 +307,15 @@ class MetricsLogger:
             return
         row = metrics | self.derived(metrics)
         step = self._last_step = row["step"]
-        self._append(self._file, json_line(row), f"the metrics of step {step}")
+        self._append(self._files["metrics.jsonl"], json_line(row), f"the metrics of step {step}")
         self._track(row)
         loads = [x.detach().float().cpu() for x in (expert_load or [])]
+        window = self._loads.add(step, loads)
+        if window is not None:
+            self._log_window(window, step)
         if self.wandb is not None:
             with self._wandb_writing(f"the W&B metrics of step {step}"):
-                self.wandb.log_step(row, loads, self._step_tokens(row))
+                self.wandb.log_step(row, loads, self._step_tokens(row), window)
         if self.log_every and (step % self.log_every == 0 or step >= self.total_steps):
             self.write(self._plain_line(row))
         if self.bar is not None:
@@ -311,6 +324,13 @@ class MetricsLogger:
             if "mfu" in row:
                 post["mfu"] = f"{100 * row['mfu']:.1f}%"
             self.bar.set_postfix(post, refresh=False)
+
+    def _log_window(self, window: Window, step: int) -> None:
+        from_step, rel_LE = window
+        row = {"step": step, "from_step": from_step, "load_over_mean": [[round(v, 4) for v in layer]
+                                                                       for layer in rel_LE.tolist()]}
+        self._append(self._files["expert_load.jsonl"], json_line(row),
+                     f"the expert loads of steps {from_step}-{step}")
 
     def _plain_line(self, row: dict) -> str:
         """``step 20/150 | loss 5.1234 | lr 2.9e-03 | grad norm 0.81 | 7.4k tok/s | MFU 31.2% | mem 0.50 GB | ETA 0:01:23``
@@ -347,7 +367,7 @@ class MetricsLogger:
         """``per_source``: ``{"val_loss/<name>": loss}`` of each data.val_blend source."""
         if not self.is_main:
             return
-        self._append(self._eval_file, json_line({"step": step, "val_loss": val_loss} | (per_source or {})),
+        self._append(self._files["eval.jsonl"], json_line({"step": step, "val_loss": val_loss} | (per_source or {})),
                      f"the validation loss of step {step}")
         sources = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in (per_source or {}).items())
         self.write(f"validation at step {step}/{self.total_steps}: val_loss {val_loss:.4f}"
@@ -389,12 +409,16 @@ class MetricsLogger:
         return "".join(f"; {p}" for p in parts)
 
     def close(self) -> None:
+        window = self._loads.close(self._last_step)   # a run stopped between two (rank 0 only: others add none)
+        if window is not None:
+            self._log_window(window, self._last_step)
         if self.wandb is not None:   # first: it may still write a line to train.log
             with self._wandb_writing("the end of the W&B run"):
-                self.wandb.close(self._last_step, self.write)
+                self.wandb.close(self._last_step, self.write, window)
             self.wandb = None
         if self.bar is not None:
             self.bar.close()
-        for f in (self._file, self._eval_file, self._log):
+        for f in (*self._files.values(), self._log):
             if f is not None:
                 f.close()
+        self._files = {}

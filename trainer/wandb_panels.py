@@ -12,7 +12,7 @@ Panels are grouped by the metric name's prefix (W&B makes one section per prefix
                in the previous step, and which rank (Trainer.straggler_metrics)
   experts/     max_over_mean (worst layer), moe<i>_max_over_mean / moe<i>_min_over_mean per MoE layer,
                moe<i>_load (histogram: tokens per expert), load_heatmap (image: MoE layer x expert,
-               load / mean over the steps since the previous heatmap)
+               load / mean over the steps since the previous heatmap: a ``trainer.expert_load`` window)
   comm/        cross_node_tokens (token copies sent across a node boundary, summed over layers and
                ranks), cross_node_per_token (that / (tokens x MoE layers)), max_nodes_per_token,
                dispatch_s, combine_s (EP runs only)
@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from .expert_load import Window
 from .wandb_log import wait_for_transaction_log
 
 WANDB_CLOSE_TIMEOUT_S = 120.0      # how long close() waits for W&B's service to write the run's log
@@ -123,16 +124,12 @@ def start_run(wandb_cfg, mode: str, config_dict: dict, run_dir: Path, run_id: st
 
 class WandbPanels:
     """One W&B run's panels: the step rows (``panel_name``), memory per rank, cross-node traffic per token,
-    expert-load histograms, and a heatmap every ``heatmap_every`` steps (and at the last one). ``static``:
-    values logged once with the first row (its ``pipeline/`` ones; all of them are in the summary)."""
+    expert-load histograms, and a heatmap of each expert-load window the logger closes (``trainer.expert_load``).
+    ``static``: values logged once with the first row (its ``pipeline/`` ones; all of them are in the summary)."""
 
-    def __init__(self, run, static: dict, total_steps: int, heatmap_every: int, start_step: int):
+    def __init__(self, run, static: dict, start_step: int):
         self.run = run
         self.static = static
-        self.total_steps = total_steps
-        self.heatmap_every = heatmap_every
-        self._load_sum: list[torch.Tensor] | None = None
-        self._load_from = start_step + 1
         self._static_logged = False
         self._max_step = start_step   # W&B drops (with a warning line each) what is logged to an earlier step
 
@@ -143,13 +140,13 @@ class WandbPanels:
             self._max_step = step
             self.run.log(values, step=step)
 
-    def log_step(self, row: dict, loads: list[torch.Tensor], step_tokens: int) -> None:
+    def log_step(self, row: dict, loads: list[torch.Tensor], step_tokens: int, window: Window | None = None) -> None:
         """Log a ``metrics.jsonl`` row; ``loads``: tokens per expert of each MoE layer; ``step_tokens``: the
-        step's tokens."""
+        step's tokens; ``window``: the expert-load window this step closed, if any (a heatmap)."""
         if row["step"] >= self._max_step:
-            self._log(self._row(row, loads, step_tokens), row["step"])
+            self._log(self._row(row, loads, step_tokens, window), row["step"])
 
-    def _row(self, row: dict, loads: list[torch.Tensor], step_tokens: int) -> dict:
+    def _row(self, row: dict, loads: list[torch.Tensor], step_tokens: int, window: Window | None) -> dict:
         out = {}
         for k, v in row.items():
             if k == "step" or k == "mem_peak_gb_per_rank":
@@ -167,17 +164,9 @@ class WandbPanels:
             out[f"experts/moe{i}_max_over_mean"] = float(load.max() / mean)
             out[f"experts/moe{i}_min_over_mean"] = float(load.min() / mean)
             out[f"experts/moe{i}_load"] = _histogram(load)
-        if loads:
-            self._load_sum = loads if self._load_sum is None else [a + b for a, b in zip(self._load_sum, loads)]
-            if row["step"] % self.heatmap_every == 0 or row["step"] >= self.total_steps:
-                out["experts/load_heatmap"] = self._heatmap(row["step"])
+        if window is not None:
+            out["experts/load_heatmap"] = _heatmap(window, row["step"])
         return out
-
-    def _heatmap(self, step: int):
-        import wandb
-        img = expert_load_heatmap(self._load_sum, f"expert load / layer mean, steps {self._load_from}-{step}")
-        self._load_sum, self._load_from = None, step + 1
-        return wandb.Image(img)
 
     def log_eval(self, step: int, val_loss: float, per_source: dict[str, float]) -> None:
         self._log({"val/loss": val_loss} | {panel_name(k): v for k, v in per_source.items()}, step)
@@ -185,11 +174,11 @@ class WandbPanels:
     def update_summary(self, values: dict) -> None:
         self.run.summary.update(values)
 
-    def close(self, last_step: int, write: Callable[[str], None]) -> None:
-        """Draw the pending heatmap (a run stopped between two), finish the run and wait until its log is
-        written out (``write`` says so when that takes over ``WANDB_CLOSE_TIMEOUT_S``)."""
-        if self._load_sum is not None:
-            self.run.log({"experts/load_heatmap": self._heatmap(last_step)}, step=last_step)
+    def close(self, last_step: int, write: Callable[[str], None], window: Window | None = None) -> None:
+        """Draw the pending heatmap (``window``: a run stopped between two), finish the run and wait until its log
+        is written out (``write`` says so when that takes over ``WANDB_CLOSE_TIMEOUT_S``)."""
+        if window is not None and last_step >= self._max_step:
+            self.run.log({"experts/load_heatmap": _heatmap(window, last_step)}, step=last_step)
         log = Path(self.run.settings.sync_file)
         self.run.finish()
         if not wait_for_transaction_log(log, WANDB_CLOSE_TIMEOUT_S):
@@ -203,13 +192,20 @@ def _histogram(load: torch.Tensor):
     return wandb.Histogram(np_histogram=(load.numpy(), list(range(len(load) + 1))))
 
 
-def expert_load_heatmap(loads: list[torch.Tensor], title: str):
-    """RGB image (numpy uint8 [H, W, 3]) of load / layer mean: one row per MoE layer, one column per expert."""
+def _heatmap(window: Window, step: int):
+    import wandb
+    from_step, rel_LE = window
+    return wandb.Image(expert_load_heatmap(rel_LE, f"expert load / layer mean, steps {from_step}-{step}"))
+
+
+def expert_load_heatmap(rel_LE: torch.Tensor, title: str):
+    """RGB image (numpy uint8 [H, W, 3]) of load / layer mean (``expert_load.load_over_mean``): one row per MoE
+    layer (L), one column per expert (E)."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rel = torch.stack([x / x.mean().clamp_min(1e-9) for x in loads]).numpy()
+    rel = rel_LE.numpy()
     n_layers, n_experts = rel.shape
     fig = Figure(figsize=(min(16.0, 2.5 + 0.06 * n_experts), min(12.0, 1.6 + 0.22 * n_layers)), dpi=80)
     FigureCanvasAgg(fig)
