@@ -1,6 +1,7 @@
 """``python -m tools.report``: a tiny run stopped early at step 6 and resumed to step 10 is reported from its own files
-(every plot a real image; the summary names the final loss, the step count, the resume and the validation); a torn
-last line, a run without validation, a pipeline run's bubble, rollbacks, skips and a missing end line; not a run
+(every plot a real image; the summary names the final loss, the step count, the resume and the validation; the expert
+plot a heatmap of expert_load.jsonl, which the run wrote with W&B disabled); a torn last line, a run without
+validation or without expert_load.jsonl, a pipeline run's bubble, rollbacks, skips and a missing end line; not a run
 dir, or an --out that cannot be written: one line, exit 2. W&B is never touched."""
 import json
 import os
@@ -71,8 +72,25 @@ def test_report_of_a_resumed_run(run, capsys):
     assert "resumed 1x: at step 6 from " in md and "step_00000006" in md
     assert "last line: done: step 10/10" in md
     assert "MFU: n/a" in md   # CPU without logging.peak_tflops: none logged, none invented
-    assert "experts.png plots max_expert_load_over_mean" in md
+    assert "experts.png shows expert_load.jsonl (10 windows, the last steps 10-10)" in md
     assert "pipeline_bubble.png" not in md
+    with Image.open(out / "experts.png") as img, Image.open(out / "loss.png") as other:
+        assert img.size[1] > other.size[1]   # the heatmap above the max / mean line
+
+
+def test_expert_load_file_of_a_resumed_run(run):
+    """heatmap_every = max(1, 10 // 20): a window per step, one line each across the resume, 1 on average."""
+    run_dir, _ = run
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
+    rows = read_jsonl(run_dir / "expert_load.jsonl")
+    assert [(r["from_step"], r["step"]) for r in rows] == [(s, s) for s in range(1, 11)]
+    for r in rows:
+        grid = r["load_over_mean"]
+        n_moe = cfg["n_layers"] - cfg["first_k_dense"] + cfg["mtp_depth"]   # each MTP block has a MoE layer too
+        assert [len(layer) for layer in grid] == [cfg["n_routed_experts"]] * n_moe
+        for layer in grid:
+            assert sum(layer) / len(layer) == pytest.approx(1.0, abs=1e-3)
+    assert any(max(layer) > 1.05 for r in rows for layer in r["load_over_mean"])   # real loads, not all ones
 
 
 def test_report_of_a_run_stopped_early(run):
@@ -80,6 +98,7 @@ def test_report_of_a_run_stopped_early(run):
     check_images(early, ALWAYS)
     md = (early / "report.md").read_text()
     assert "steps: 6 of 10" in md and "last line: done: step 6/10" in md and "resumed" not in md
+    assert "experts.png shows expert_load.jsonl (6 windows, the last steps 6-6)" in md
 
 
 def test_cli_never_touches_wandb(run, tmp_path):
@@ -112,6 +131,8 @@ def test_torn_line_no_eval_and_no_end_line(run, tmp_path):
     assert "metrics.jsonl: 1 line(s) that did not parse" in md
     assert "validation: none in eval.jsonl" in md and "val_loss" not in md.split("## Results")[1].split("##")[0]
     assert "no end line in train.log" in md and "the last step logged is 10" in md
+    # copy_run leaves expert_load.jsonl out, as in a run dir of an older trainer
+    assert "no expert_load.jsonl in the run dir" in md and "experts.png plots max_expert_load_over_mean" in md
     check_images(d / "report", ALWAYS)
 
 

@@ -1,15 +1,17 @@
 """A run read without W&B: ``python -m tools.report <run dir> [--out DIR]``.
 
 Reads only the files the trainer writes into its run dir (``trainer/metrics.py``): ``metrics.jsonl`` (one line per
-optimizer step), ``eval.jsonl`` (validation losses, per ``data.val_blend`` source too), ``train.log`` (the start-up
-lines, resumes, rollbacks, skipped steps, stops, the last line) and ``config.yaml`` (the resolved config of the
-latest start). Writes into ``<run dir>/report/`` (or ``DIR``): one PNG per plot (loss and validation loss,
+optimizer step), ``eval.jsonl`` (validation losses, per ``data.val_blend`` source too), ``expert_load.jsonl`` (tokens
+per expert of each MoE layer / the layer's mean, one line per window of steps), ``train.log`` (the start-up lines,
+resumes, rollbacks, skipped steps, stops, the last line) and ``config.yaml`` (the resolved config of the latest
+start). Writes into ``<run dir>/report/`` (or ``DIR``): one PNG per plot (loss and validation loss,
 learning rate, gradient norm, tokens/s and MFU, expert load, step time by phase, the pipeline bubble when pp > 1;
 a plot whose metrics the run lacks is left out) and a one-page summary, ``report.md`` and ``report.html`` (the
 same text; images referenced relatively, so the folder travels whole). W&B is never imported or read.
 
-Tokens per expert go to W&B only (``experts/moe0_load``, ..., ``experts/load_heatmap``); ``metrics.jsonl`` holds the
-worst MoE layer's max / mean load per step, which is what the expert plot shows (the summary says so).
+The expert plot is a heatmap of ``expert_load.jsonl`` (x: the windows' end steps; y: every MoE layer's experts, one
+band per layer) above the worst MoE layer's max / mean load per step from ``metrics.jsonl``. A run dir without
+``expert_load.jsonl`` (written by older trainers) gets the second panel alone, and the summary says so.
 
 ``metrics.jsonl`` holds one timeline (a resume or a rollback first cuts it back to its step); a step found twice
 anyway keeps its last line, and lines that do not parse (a torn last line) are dropped and counted. A path that is
@@ -52,6 +54,7 @@ class Run:
     evals: list[dict]
     log: list[str]
     config: dict
+    loads: list[dict] = field(default_factory=list)         # expert_load.jsonl: one row per window of steps
     dropped: dict[str, int] = field(default_factory=dict)   # file -> lines that did not parse
 
     def events(self, kind: str) -> list[re.Match]:
@@ -81,14 +84,27 @@ def read_rows(path: Path) -> tuple[list[dict], int]:
 def read_run(run_dir: Path) -> Run:
     metrics, bad_m = read_rows(run_dir / "metrics.jsonl")
     evals, bad_e = read_rows(run_dir / "eval.jsonl")
+    loads, bad_l = read_rows(run_dir / "expert_load.jsonl")
     log_path, cfg_path = run_dir / "train.log", run_dir / "config.yaml"
     log = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
     try:
         config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
     except yaml.YAMLError:
         config = {}
-    dropped = {name: n for name, n in (("metrics.jsonl", bad_m), ("eval.jsonl", bad_e)) if n}
-    return Run(run_dir, metrics, evals, log, config if isinstance(config, dict) else {}, dropped)
+    dropped = {name: n for name, n in (("metrics.jsonl", bad_m), ("eval.jsonl", bad_e), ("expert_load.jsonl", bad_l))
+               if n}
+    return Run(run_dir, metrics, evals, log, config if isinstance(config, dict) else {}, load_windows(loads), dropped)
+
+
+def load_windows(rows: list[dict]) -> list[dict]:
+    """The ``expert_load.jsonl`` rows of one shape (the last row's: a run resumed with another model starts
+    anew)."""
+    def shape(r):
+        grid = r.get("load_over_mean")
+        return [len(layer) for layer in grid] if isinstance(grid, list) and all(isinstance(x, list) for x in grid) \
+            else None
+    want = shape(rows[-1]) if rows else None
+    return [r for r in rows if want and shape(r) == want]
 
 
 def num(x) -> float:
@@ -113,6 +129,22 @@ def _axes(title: str, ylabel: str):
     fig = Figure(figsize=(8, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _heatmap_axes(run: Run, title: str, ylabel: str):
+    """``_axes`` for the expert plot with ``plot_load_heatmap`` above it (x shared: steps)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    n_rows = sum(len(layer) for layer in run.loads[-1]["load_over_mean"])
+    fig = Figure(figsize=(8, 4 + min(6.0, 1.0 + 0.03 * n_rows)), dpi=100)
+    FigureCanvasAgg(fig)
+    top, ax = fig.subplots(2, 1, sharex=True, height_ratios=[min(6.0, 1.0 + 0.03 * n_rows), 4])
+    plot_load_heatmap(run, fig, top)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -171,6 +203,29 @@ def plot_experts(run: Run, ax) -> bool:
     return drawn
 
 
+def plot_load_heatmap(run: Run, fig, ax) -> None:
+    """``expert_load.jsonl`` as an image: one column per window (at its end step), one row per expert of each MoE
+    layer (layer 0 on top, white lines between layers); colour: load / layer mean (1 = balanced)."""
+    import numpy as np
+    grid = np.array([[num(v) for layer in r["load_over_mean"] for v in layer] for r in run.loads]).T   # [L*E, windows]
+    layers = run.loads[-1]["load_over_mean"]
+    ends = [int(r["step"]) for r in run.loads]
+    starts = [int(r.get("from_step", s)) for r, s in zip(run.loads, ends)]
+    edges = [starts[0] - 0.5] + [e + 0.5 for e in ends]   # columns span their windows' steps
+    vmax = max(2.0, float(np.nanmax(grid))) if np.isfinite(grid).any() else 2.0
+    mesh = ax.pcolormesh(edges, np.arange(grid.shape[0] + 1) - 0.5, np.ma.masked_invalid(grid), cmap="magma",
+                         vmin=0.0, vmax=vmax, shading="flat")
+    ax.set_ylim(grid.shape[0] - 0.5, -0.5)
+    bounds = np.cumsum([len(layer) for layer in layers])
+    for b in bounds[:-1]:
+        ax.axhline(b - 0.5, color="white", linewidth=1)
+    ax.set_yticks(bounds - np.array([len(layer) for layer in layers]) / 2 - 0.5,
+                  [f"MoE {i}" for i in range(len(layers))], fontsize=7 if len(layers) > 12 else 9)
+    ax.set_ylabel("experts of each MoE layer")
+    ax.set_title(f"Expert load / layer mean over each window ({len(layers)} MoE layers x {len(layers[0])} experts)")
+    fig.colorbar(mesh, cax=ax.inset_axes([1.01, 0.0, 0.015, 1.0]), label="load / mean")   # keeps x aligned
+
+
 def plot_step_time(run: Run, ax) -> bool:
     drawn = _line(ax, run.metrics, "step_time_s", "step", linewidth=2)
     for key in sorted({k for r in run.metrics for k in r if k.startswith("time_") and k.endswith("_s")}):
@@ -200,7 +255,10 @@ def draw_plots(run: Run, out: Path) -> list[tuple[str, str]]:
     """Writes each plot the run has data for; returns [(file, title)]."""
     written = []
     for name, title, ylabel, draw in PLOTS:
-        fig, ax = _axes(title, ylabel)
+        if name == "experts.png" and run.loads:
+            fig, ax = _heatmap_axes(run, title, ylabel)
+        else:
+            fig, ax = _axes(title, ylabel)
         if not draw(run, ax):
             continue
         if ax.get_legend_handles_labels()[0]:
@@ -357,11 +415,16 @@ def event_lines(run: Run) -> list[str]:
 
 def note_lines(run: Run, images: list[tuple[str, str]]) -> list[str]:
     notes = [f"{name}: {n} line(s) that did not parse (a torn last line) left out" for name, n in run.dropped.items()]
-    if "max_expert_load_over_mean" in (run.metrics[-1] if run.metrics else {}):
+    if run.loads:
+        notes.append(f"expert load: experts.png shows expert_load.jsonl ({len(run.loads)} windows, the last steps "
+                     f"{run.loads[-1].get('from_step', '?')}-{run.loads[-1]['step']}) above "
+                     "max_expert_load_over_mean, the worst MoE layer's max / mean load per step")
+    elif "max_expert_load_over_mean" in (run.metrics[-1] if run.metrics else {}):
         wandb = run.last_line("W&B:")
-        notes.append("expert load: the run's files hold no tokens per expert (W&B gets them: experts/moe0_load, "
-                     "moe1_load, ..., experts/load_heatmap" + (f"; {wandb}" if wandb else "") + "), so experts.png "
-                     "plots max_expert_load_over_mean, the worst MoE layer's max / mean load, per step")
+        notes.append("expert load: no expert_load.jsonl in the run dir (W&B gets the tokens per expert: "
+                     "experts/moe0_load, moe1_load, ..., experts/load_heatmap" + (f"; {wandb}" if wandb else "")
+                     + "), so experts.png plots max_expert_load_over_mean, the worst MoE layer's max / mean load, "
+                     "per step")
     if not any(name == "pipeline_bubble.png" for name, _ in images) and num(_get(run.config, "parallel.pp", 1)) > 1:
         notes.append("pipeline bubble: no pipeline_bubble_* values in metrics.jsonl")
     return notes
