@@ -31,9 +31,9 @@ def _slow_rank_worker(rank, world, tmp):
     lines = []
     trainer.logger = type("L", (), {"write": lambda self, line: lines.append(line)})()
     rows = [trainer.train_step() for _ in range(6)]
-    assert "time_rank_skew" not in rows[0]           # the first step has no previous step to compare
+    assert "rank_skew" not in rows[0]           # the first step has no previous step to compare
     for r in rows[1:]:
-        assert r["time_slowest_rank"] == 1 and r["time_rank_skew"] > 0.5, r
+        assert r["slowest_rank"] == 1 and r["rank_skew"] > 0.5, r
     named = [ln for ln in lines if "straggler" in ln]
     assert len(named) == 1 and named[0].startswith("step 4: rank 1 is a straggler:"), lines
     assert "logging.straggler_threshold=0.2" in named[0]
@@ -41,3 +41,10 @@ def _slow_rank_worker(rank, world, tmp):
 
 def test_a_slow_rank_is_named_once_and_its_peers_waits_do_not_count(tmp_path):
     spawn(_slow_rank_worker, 2, tmp_path, str(tmp_path))
+
+
+def test_the_skew_keys_are_not_phase_seconds():
+    """Phase seconds are time_<phase>_s and add up to less than the step (tests/test_schedules_e2e.py); the skew and
+    the slowest rank are not seconds, yet they belong on W&B's time/ panel."""
+    from trainer.wandb_panels import panel_name
+    assert panel_name("rank_skew") == "time/rank_skew" and panel_name("slowest_rank") == "time/slowest_rank"

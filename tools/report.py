@@ -374,7 +374,7 @@ def throughput_lines(run: Run) -> list[str]:
     if measured is not None:
         lines.append(f"pipeline bubble: median {measured:.1%} measured (rank 0)"
                      + (f", {simulated:.1%} simulated" if simulated is not None else ""))
-    skew = [(v, r.get("time_slowest_rank")) for r in rows if math.isfinite(v := num(r.get("time_rank_skew")))]
+    skew = [(v, r.get("slowest_rank")) for r in rows if math.isfinite(v := num(r.get("rank_skew")))]
     if skew:
         worst = max(skew, key=lambda x: x[0])
         lines.append(f"rank skew (slowest rank's compute over the median's): median "

@@ -330,8 +330,8 @@ class Trainer:
         return [r for r in range(w) if flags[r] > 0]
 
     def straggler_metrics(self) -> dict:
-        """``time_rank_skew``: (slowest - median) / median of the ranks' compute seconds in the previous step, and
-        ``time_slowest_rank``; names the slowest rank once it stays over logging.straggler_threshold for
+        """``rank_skew``: (slowest - median) / median of the ranks' compute seconds in the previous step, and
+        ``slowest_rank``; names the slowest rank once it stays over logging.straggler_threshold for
         logging.straggler_steps steps in a row (again after it recovered)."""
         times = self._rank_busy
         if not times:
@@ -348,7 +348,7 @@ class Trainer:
                 f"step {self.step}: rank {slowest} is a straggler: its compute took {times[slowest]:.3g} s per step, "
                 f"{skew:.0%} over the median rank's {median:.3g} s, for {n} steps in a row (logging.straggler_"
                 f"threshold={lg.straggler_threshold:g}); see its node's load, clocks and memory")
-        return {"time_rank_skew": skew, "time_slowest_rank": slowest}
+        return {"rank_skew": skew, "slowest_rank": slowest}
 
     def skip_step(self, bad_ranks: list[int], sums: torch.Tensor, n_micro: int, gbs: int, t0: float) -> dict:
         """A step whose loss or gradients were non-finite somewhere: no update, no LR step, no bias update

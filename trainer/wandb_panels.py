@@ -59,6 +59,8 @@ def panel_name(key: str) -> str:
         return "pipeline/" + key[9:]
     if key.startswith("time_"):
         return "time/" + key[5:]
+    if key in ("rank_skew", "slowest_rank"):   # not seconds of a phase: named apart from the time_<phase>_s keys
+        return "time/" + key
     if key == "val_loss":
         return "val/loss"
     if key.startswith("val_loss/"):
