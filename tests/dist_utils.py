@@ -7,6 +7,7 @@ preparation data), and the caller's environment at the call, set before ``fn`` a
 import gc
 import os
 import pickle
+import uuid
 from datetime import timedelta
 
 import torch
@@ -36,7 +37,9 @@ def _entry(rank, env, payload):
 
 def spawn(fn, world_size: int, tmp_path, *args, timeout_s: float = 300) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; failures re-raise here."""
-    store = tmp_path / f"store-{os.getpid()}-{world_size}"
+    # A new rendezvous file per call: a test that spawns twice must not meet the first group's leftover keys
+    # (a rank of the second group once dialled a port of the first, "Connection refused").
+    store = tmp_path / f"store-{os.getpid()}-{world_size}-{uuid.uuid4().hex[:8]}"
     payload = pickle.dumps((world_size, str(store), fn, args, timeout_s))
     mp.start_processes(_entry, args=(dict(os.environ), payload), nprocs=world_size, join=True,
                        start_method="forkserver")
