@@ -350,17 +350,38 @@ def part_step(ctx: Ctx, part: Part) -> None:
     else:
         cfg, batch, seq, dev, iters = reduced_config("v3_small", 4), 4, 2048, "cuda", 3 if ctx.quick else 5
     res, deadline = {}, ctx.part_deadline("step")
-    for prec in ("bf16", "fp8"):
+    for prec, head in (("bf16", "plain"), ("fp8", "plain"), ("bf16", "chunked")):
+        key = prec if head == "plain" else f"{prec} head_loss={head}"
         if time.monotonic() > deadline and res:
-            part.notes.append(f"{prec}: not run (time budget)")
+            part.notes.append(f"{key}: not run (time budget)")
             continue
         try:
-            res[prec] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters, profile=True)
+            res[key] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters, profile=True, head_loss=head)
         except Exception as e:      # noqa: BLE001 - record and go on to the other precision
-            part.error += f"{prec}: {type(e).__name__}: {e}\n"
-            part.log += f"[{prec}]\n{traceback.format_exc(limit=6)}\n"
+            part.error += f"{key}: {type(e).__name__}: {e}\n"
+            part.log += f"[{key}]\n{traceback.format_exc(limit=6)}\n"
         if dev == "cuda":
             torch.cuda.empty_cache()
+    _step_tables(part, res, H100_BF16_PEAK)
+    speed = res["bf16"]["step_s"] / res["fp8"]["step_s"] if "bf16" in res and "fp8" in res else None
+    part.marks = [min_mark("FP8 training step faster than BF16", f"> {STEP_MIN:.2f}x",
+                           STEP_MIN + 1e-9, [("bf16 step / fp8 step", speed)]),
+                  Mark("training step losses finite", "bf16 and fp8",
+                       ", ".join(f"{p} {r['loss']:.3f}" for p, r in res.items()) or "no step ran",
+                       {"bf16", "fp8"} <= set(res) and all(r["finite"] for r in res.values()), "check")]
+    first = next(iter(res.values()), None)
+    part.notes.append(f"Model: preset `{'tiny' if ctx.smoke else 'v3_small'}` with n_layers={cfg.n_layers} "
+                      f"(first_k_dense={cfg.first_k_dense}, mtp_depth={cfg.mtp_depth}, {cfg.n_routed_experts} routed "
+                      f"experts, top-{cfg.n_activated_experts}); random tokens; forward+backward+AdamW+clip+bias update, "
+                      f"BF16 autocast (fp8: `apply_fp8`, Triton kernels); {iters} timed steps after 2 warm-up steps."
+                      + (f" FLOPs/token {first['flops_per_token'] / 1e9:.2f} G (models.params.flops_per_token)."
+                         if first else ""))
+    part.headline = (f"fp8/bf16 step speed-up {speed:.2f}x; MFU " + ", ".join(f"{p} {r['mfu']:.1%}" for p, r in res.items())
+                     if speed else "incomplete")
+
+
+def _step_tables(part: Part, res: dict, peak: float) -> None:
+    """The step part's table (one row per measured variant) and each variant's top-kernels table."""
     rows = []
     for prec, r in res.items():
         rows.append([prec, f"{r['batch']} x {r['seq']}", f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
@@ -369,7 +390,7 @@ def part_step(ctx: Ctx, part: Part) -> None:
         if r["oom_retries"]:
             part.notes.append(f"{prec}: out of memory at batch {r['oom_retries']}, measured at batch {r['batch']}")
     part.tables.append(Table(["precision", "batch x seq", "step ms (median)", "tokens/s", "model TFLOP/s",
-                              f"MFU (vs {H100_BF16_PEAK / 1e12:.0f})", "peak mem GB", "loss", "step times ms"], rows))
+                              f"MFU (vs {peak / 1e12:.0f})", "peak mem GB", "loss", "step times ms"], rows))
     for prec, r in res.items():
         prof = r.get("profile") or {}
         if prof.get("top"):
@@ -380,18 +401,3 @@ def part_step(ctx: Ctx, part: Part) -> None:
                               f"after the timed ones).")
         elif prof.get("error"):
             part.notes.append(f"{prec} profile: {prof['error']}")
-    speed = res["bf16"]["step_s"] / res["fp8"]["step_s"] if "bf16" in res and "fp8" in res else None
-    part.marks = [min_mark("FP8 training step faster than BF16", f"> {STEP_MIN:.2f}x",
-                           STEP_MIN + 1e-9, [("bf16 step / fp8 step", speed)]),
-                  Mark("training step losses finite", "bf16 and fp8",
-                       ", ".join(f"{p} {r['loss']:.3f}" for p, r in res.items()) or "no step ran",
-                       len(res) == 2 and all(r["finite"] for r in res.values()), "check")]
-    first = next(iter(res.values()), None)
-    part.notes.append(f"Model: preset `{'tiny' if ctx.smoke else 'v3_small'}` with n_layers={cfg.n_layers} "
-                      f"(first_k_dense={cfg.first_k_dense}, mtp_depth={cfg.mtp_depth}, {cfg.n_routed_experts} routed "
-                      f"experts, top-{cfg.n_activated_experts}); random tokens; forward+backward+AdamW+clip+bias update, "
-                      f"BF16 autocast (fp8: `apply_fp8`, Triton kernels); {iters} timed steps after 2 warm-up steps."
-                      + (f" FLOPs/token {first['flops_per_token'] / 1e9:.2f} G (models.params.flops_per_token)."
-                         if first else ""))
-    part.headline = (f"fp8/bf16 step speed-up {speed:.2f}x; MFU " + ", ".join(f"{p} {r['mfu']:.1%}" for p, r in res.items())
-                     if speed else "incomplete")

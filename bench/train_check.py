@@ -190,10 +190,10 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
-                 seed: int = 0, profile: bool = False) -> dict:
+                 seed: int = 0, profile: bool = False, head_loss: str = "plain") -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
-    last loss."""
+    last loss. ``head_loss`` is ``train.head_loss`` (``models.loss.apply_head_loss``)."""
     import torch
 
     import models
@@ -205,6 +205,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     dev = torch.device(device)
     torch.manual_seed(seed)
     model = models.build(cfg, device=dev, seed=seed)
+    from models.loss import apply_head_loss
+    apply_head_loss(model, head_loss)
     if precision == "fp8":
         from parallel.fp8 import apply_fp8
         apply_fp8(model)
@@ -235,7 +237,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     tps = tokens / step_s
     peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     del model, opt, ids, inputs, labels
-    return {"precision": precision, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
+    return {"precision": precision, "head_loss": head_loss, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
             "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
             "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, selfcheck
+from . import interpreting, selfcheck, tuning
 from .reference import FP8_DTYPE, TILE, _b_group, cdiv
 
 _TILE = tl.constexpr(TILE)
@@ -152,11 +152,16 @@ def variant_chain(tma: bool) -> list[tuple[str, dict]]:
 
 
 def default_variant(kernel: str, tma: bool, device: torch.device, run) -> dict:
-    """The first variant of ``variant_chain(tma)`` that passed ``run(variant, device)`` (``selfcheck``) on
-    ``device``; meta tensors (the compile gate) take the first unchecked."""
+    """The first variant that passed ``run(variant, device)`` (``selfcheck``) on ``device``: the device's tuned
+    config (``tuning.py``; TMA, no warp specialisation) when it has one and ``tma``, then ``variant_chain(tma)``.
+    Meta tensors (the compile gate) take the first built-in variant, unchecked."""
     chain = variant_chain(tma)
     if device.type == "meta":
         return chain[0][1]
+    best = tuning.tuned(kernel, device) if tma else None
+    if best:
+        tuned = {**VARIANTS["tma"], **best}
+        chain = [("tuned " + ",".join(f"{k}={v}" for k, v in sorted(best.items())), tuned), *chain]
     return selfcheck.first_verified(kernel, chain, device, functools.partial(run, device=device))[1]
 
 

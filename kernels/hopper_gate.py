@@ -125,14 +125,25 @@ def launches() -> list[Launch]:
              config=pointers)
         call("grouped wgrad, pointer path", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,
              config=pointers)
-        opt_in = gemm.VARIANTS["tma+ws"]    # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
-        call("gemm fprop, warp-specialised (opt-in)", gemm.gemm, xq, xs, wq[0], ws[0], torch.bfloat16, config=opt_in)
-        call("grouped fprop, warp-specialised (opt-in)", grouped_gemm.grouped_gemm, xq, xs, wq, ws, tpe,
-             torch.bfloat16, config=opt_in)
-        call("grouped wgrad, warp-specialised (opt-in)", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,
-             config=opt_in)
+        variants = {"gemm": ("gemm fprop", gemm.gemm, (xq, xs, wq[0], ws[0], torch.bfloat16)),
+                    "grouped_gemm": ("grouped fprop", grouped_gemm.grouped_gemm, (xq, xs, wq, ws, tpe, torch.bfloat16)),
+                    "grouped_wgrad": ("grouped wgrad", grouped_gemm.grouped_wgrad, (*dyt, *xt, tpe, torch.float32))}
+        for kernel, cfg in _tuned_h100().items():      # the H100's tuning table (kernels/tuning/), as gemm runs it
+            label, fn, args = variants[kernel]
+            call(f"{label}, H100 tuned", fn, *args, config={**gemm.VARIANTS["tma"], **cfg})
+        for label, fn, args in variants.values():      # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
+            call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
     return out
+
+
+def _tuned_h100() -> dict:
+    """The H100 tuning table's configs (``kernels/tuning/``): launches the GPU makes there, compiled here too."""
+    import json
+
+    from . import tuning
+    path = tuning.TABLE_DIR / f"{tuning.slug('NVIDIA H100 80GB HBM3')}.json"
+    return json.loads(path.read_text())["configs"] if path.is_file() else {}
 
 
 # --------------------------------------------------------------------------------------------- compiling

@@ -15,6 +15,7 @@ nothing runs there.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -46,13 +47,16 @@ def device_id(device: torch.device | str) -> str:
     """What a verdict holds for: the device model and the compiler and torch versions."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        name = f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})"
-    else:
-        from . import interpreting
-        name = dev.type + (" (Triton interpreter)" if interpreting() else "")
+        return _cuda_id(dev.index if dev.index is not None else torch.cuda.current_device())
+    from . import interpreting
+    name = dev.type + (" (Triton interpreter)" if interpreting() else "")
     return f"{name}, triton {_triton_version()}, torch {torch.__version__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_id(index: int) -> str:        # asked at every GEMM call (the verdict cache's key): once per device
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}), triton {_triton_version()}, torch {torch.__version__}"
 
 
 def _triton_version() -> str:

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 
 kernels.configure()
-from kernels import auto, gemm, grouped_gemm, quant, selfcheck, torch_gemm  # noqa: E402
+from kernels import auto, gemm, grouped_gemm, quant, selfcheck, torch_gemm, tuning  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.auto import AutoOps, Engine  # noqa: E402
 
@@ -99,8 +99,10 @@ def test_triton_quantisers_pass_their_self_checks(op):
         assert quant.self_check(op, DEV, quant.quant_act_t_transposed) == 0.0
 
 
-def test_default_launch_variants_are_self_checked_and_never_warp_specialised(monkeypatch):
+def test_default_launch_variants_are_self_checked_and_never_warp_specialised(monkeypatch, tmp_path):
     monkeypatch.delenv(gemm.WS_ENV, raising=False)
+    (tmp_path / "none.json").write_text('{"configs": {}}')        # no tuned config (the GPU's table: test_fp8_tuning)
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "none.json"))
     assert [n for n, _ in gemm.variant_chain(True)] == ["tma", "pointers"]
     assert [n for n, _ in gemm.variant_chain(False)] == ["pointers"]
     assert not any(v["WARP_SPECIALIZE"] for _, v in gemm.variant_chain(True))

@@ -62,11 +62,17 @@ def test_hopper_compile_gate():
     # production launches (GPU_CONFIG) got what they ask for: TMA copies, two warp groups, no warp specialisation
     # (Triton 3.6 miscompiles it on an H100); the opt-in warp-specialised variant still compiles to a producer
     # warp group and two consumer groups with the register hand-over
-    production = [r for r in gemms if "pointer" not in r["name"] and "opt-in" not in r["name"]]
+    production = [r for r in gemms if "pointer" not in r["name"] and "opt-in" not in r["name"]
+                  and "tuned" not in r["name"]]
     assert len(production) == 6 and all(r["TMA"] and not r["WARP_SPECIALIZE"] for r in production)
     assert not broken(reports, lambda f: "config asks" in f)
     for r in production:
         assert r["tma"] and not r["setmaxnreg"] and r["warps_total"] == r["num_warps"] == 8, r
+    # the H100 tuning table's configs (kernels/tuning/), what gemm runs there: TMA, no warp specialisation
+    tuned = [r for r in gemms if "H100 tuned" in r["name"]]
+    assert len(tuned) == 3 and all(r["TMA"] and not r["WARP_SPECIALIZE"] for r in tuned)
+    for r in tuned:
+        assert r["tma"] and not r["setmaxnreg"] and r["warps_total"] == r["num_warps"], r
     opt_in = [r for r in gemms if "opt-in" in r["name"]]
     assert len(opt_in) == 3 and all(r["WARP_SPECIALIZE"] for r in opt_in)
     for r in opt_in:
