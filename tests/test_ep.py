@@ -207,7 +207,7 @@ def test_collective_timeout_names_rank_and_layer(tmp_path):
 # ---- trainer level: a 4-group model under EP=2 on one node and on two --------------------------------------
 GROUPS_COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0", "train.eval_batches=1",
                  "train.memory_check=false", "checkpoint.save_final=false", "data.seq_len=32", "train.micro_batch_size=2",
-                 "train.global_batch_size=4", "optim.moment_dtype=fp32", "optim.warmup_steps=1", "train.max_steps=3",
+                 "train.global_batch_size=4", "optim.moment_dtype=fp32", "optim.warmup_steps=1", "train.max_steps=2",
                  "model.n_expert_groups=4", "model.n_limited_groups=2"]
 GROUP_LAYOUTS = {   # name: (ranks_per_node, dispatcher, the start-up line's routing bound)
     "1 node, hierarchical": (2, "hierarchical", "4 expert groups on 1 EP node(s) (4 per node), dispatcher "
@@ -246,8 +246,9 @@ def _groups_worker(rank, world, out_dir):
 
 def test_four_group_model_under_ep2_on_one_and_two_nodes_matches_single_device(tmp_path):
     """A model's routing groups do not follow the cluster: 4 groups (top-2) under EP=2 on one node (4 groups
-    per node) and on two (2 per node), with both dispatchers, train as on one device: the loss of 3 steps to rel
-    1e-5 (measured 2e-7), the gradient norm of the first 2 to 1e-5 (3e-6), as in tests/test_parity_matrix.py."""
+    per node) and on two (2 per node), with both dispatchers, train as on one device: loss and gradient norm of
+    2 steps to rel 1e-5 (measured 7e-8 and 3e-6; the norm of later steps drifts further, as AdamW's sign-like
+    first updates grow rounding-level differences: tests/test_parity_matrix.py)."""
     import json
 
     from .trainer_utils import make_config
@@ -259,5 +260,4 @@ def test_four_group_model_under_ep2_on_one_and_two_nodes_matches_single_device(t
     for name, steps in got.items():
         for s, ((loss, gnorm), (loss_1, gnorm_1)) in enumerate(zip(steps, want, strict=True)):
             assert abs(loss - loss_1) <= 1e-5 * abs(loss_1), (name, s, loss, loss_1)
-            if s < 2:   # later norms: AdamW's sign-like first updates grow rounding-level differences (1e-5 at 3)
-                assert abs(gnorm - gnorm_1) <= 1e-5 * abs(gnorm_1), (name, s, gnorm, gnorm_1)
+            assert abs(gnorm - gnorm_1) <= 1e-5 * abs(gnorm_1), (name, s, gnorm, gnorm_1)
