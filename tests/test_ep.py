@@ -206,8 +206,8 @@ def test_collective_timeout_names_rank_and_layer(tmp_path):
 
 # ---- trainer level: a 4-group model under EP=2 on one node and on two --------------------------------------
 GROUPS_COMMON = ["logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0", "train.eval_batches=1",
-                 "train.memory_check=false", "checkpoint.save_final=false", "data.seq_len=32", "train.micro_batch_size=2",
-                 "train.global_batch_size=4", "optim.moment_dtype=fp32", "optim.warmup_steps=1", "train.max_steps=2",
+                 "train.memory_check=false", "checkpoint.save_final=false", "data.seq_len=32",
+                 "train.micro_batch_size=2", "train.global_batch_size=4", "optim.moment_dtype=fp32", "optim.warmup_steps=1", "train.max_steps=2",
                  "model.n_expert_groups=4", "model.n_limited_groups=2"]
 GROUP_LAYOUTS = {   # name: (ranks_per_node, dispatcher, the start-up line's routing bound)
     "1 node, hierarchical": (2, "hierarchical", "4 expert groups on 1 EP node(s) (4 per node), dispatcher "
