@@ -32,7 +32,7 @@ class ParallelConfig:
     pp: int = 1                 # pipeline-parallel size
     ep: int = 1                 # expert-parallel size (inside the data-parallel ranks)
     schedule: str = NO_PIPELINE  # pipeline schedule: none (pp = 1) or a name in parallel.pipeline.schedules.SCHEDULES
-    ranks_per_node: int = 1     # GPUs per node; routing groups map to the nodes of the EP group
+    ranks_per_node: int = 1     # GPUs per node: where the hierarchical dispatcher's node boundaries lie
     zero: int = 0               # ZeRO stage: 0 (off), 1 (optimizer state), 2 (+ gradients)
     zero_backend: str = "native"  # native (parallel/zero) | deepspeed (DeepSpeed's ZeRO-1/2 optimizer; pp = 1)
     zero_bucket_mb: float = 32.0  # gradient reduce-scatter / parameter all-gather bucket size (native)

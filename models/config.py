@@ -43,7 +43,7 @@ class ModelConfig:
     n_routed_experts: int = 8
     n_shared_experts: int = 1
     n_activated_experts: int = 2        # K_r: routed experts per token
-    n_expert_groups: int = 1            # routing groups (= nodes of the EP group under expert parallelism)
+    n_expert_groups: int = 1            # routing groups G (under EP: G / nodes per node, or one over nodes / G nodes)
     n_limited_groups: int = 1           # M: a token's experts live in at most this many groups
     group_topk: int = 0                 # experts summed per group score; 0 = n_activated_experts // n_limited_groups
     route_scale: float = 1.0            # gate values are normalised then multiplied by this

@@ -8,8 +8,10 @@ Rank layout (world = pp × dp, dp = edp × ep; ep lives inside the data-parallel
 
 so an EP group is ``ep`` consecutive ranks, and nodes (``ranks_per_node`` consecutive ranks) hold whole
 EP sub-groups. Within the EP group, *EP nodes* are the ``ep / ranks_per_node`` nodes it spans (1 if
-the group fits in a node). Routing groups are tied to EP nodes: ``model.n_expert_groups`` must equal
-the number of EP nodes when ep > 1, so "at most M groups" means "at most M nodes" on the wire.
+the group fits in a node). Routing groups (``model.n_expert_groups``, G) are the model's, the nodes the
+cluster's: experts are laid out in order, so when the EP node count divides G a node holds G / nodes whole
+groups, and when G divides it a group spans nodes / G whole nodes. Either is accepted (``routing_reach``
+turns "at most M groups" into a bound on the nodes a token's copies reach); other pairs are refused.
 """
 from __future__ import annotations
 
@@ -60,12 +62,22 @@ def _check_model(m: ModelConfig, ep: int, ranks_per_node: int) -> None:
     per_node, nodes = ep_split(ep, ranks_per_node)
     if m.n_routed_experts % ep:
         raise ConfigError(f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({ep})")
-    if m.n_expert_groups != nodes:
+    G = m.n_expert_groups
+    if G % nodes and nodes % G:
         raise ConfigError(
-            f"model.n_expert_groups ({m.n_expert_groups}) must equal the number of EP nodes ({nodes} = "
-            f"parallel.ep {ep} / parallel.ranks_per_node {per_node}): routing groups are nodes")
-    if m.n_limited_groups > nodes:
-        raise ConfigError(f"model.n_limited_groups ({m.n_limited_groups}) must be <= the number of EP nodes ({nodes})")
+            f"model.n_expert_groups ({G}) and the EP group's nodes ({nodes} = parallel.ep {ep} / "
+            f"parallel.ranks_per_node {per_node}): one must divide the other, so that a node holds whole routing "
+            "groups or a group spans whole nodes; choose parallel.ep (or ranks_per_node) to match")
+
+
+def routing_reach(m: ModelConfig, ep: int, ranks_per_node: int) -> tuple[int, int]:
+    """(groups, EP nodes) a token's expert copies reach at most: node-limited routing keeps them in
+    ``n_limited_groups`` groups (all G when M = G) and K experts; a group spans ``max(1, nodes / G)`` nodes.
+    The layout must have passed ``validate_layout``."""
+    nodes = ep_split(ep, ranks_per_node)[1] if ep > 1 else 1
+    K, G = m.n_activated_experts, m.n_expert_groups
+    groups = min(m.n_limited_groups, K)
+    return groups, min(nodes, K, groups * max(1, nodes // G))
 
 
 def _check_schedule(schedule: str, pp: int) -> None:
@@ -154,6 +166,10 @@ class ParallelDims:
     def check_model(self, m: ModelConfig) -> None:
         """Layout-dependent model checks (one-line ConfigError naming the keys)."""
         _check_model(m, self.ep, self.ranks_per_node)
+
+    def routing_reach(self, m: ModelConfig) -> tuple[int, int]:
+        """(groups, EP nodes) one token's expert copies reach at most (``routing_reach``)."""
+        return routing_reach(m, self.ep, self.ranks_per_node)
 
     # ---- process groups -----------------------------------------------------------------------------
     def build_groups(self, device_type: str = "cpu") -> "ParallelDims":

@@ -94,7 +94,8 @@ def test_layouts_pp1_zero2_and_1f1b_embedding_copy():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model=v3_671b", "parallel.ep=64"], "model.n_expert_groups"),
+    (["+exp=tiny", "model.n_routed_experts=12", "model.n_expert_groups=3", "parallel.ep=4"],
+     "model.n_expert_groups"),   # 3 groups on 4 EP nodes: neither divides the other
     (["+exp=tiny", "parallel.zero=3"], "parallel.zero"),
     (["+exp=tiny", "parallel.pp=2"], "parallel.schedule"),
 ])

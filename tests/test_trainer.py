@@ -185,9 +185,10 @@ def test_fp8_training_runs(tmp_path, cache):
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["parallel.ep=4"], "model.n_expert_groups"),                          # 4 EP nodes, tiny has 2 groups
+    (["parallel.ep=4", "model.n_routed_experts=12", "model.n_expert_groups=3"],
+     "model.n_expert_groups"),                                              # 4 EP nodes, 3 groups: neither divides
     (["parallel.ep=4", "parallel.ranks_per_node=2", "model.n_limited_groups=3", "model.n_activated_experts=3"],
-     "model.n_limited_groups"),                                             # M > groups (= nodes)
+     "model.n_limited_groups"),                                             # M > groups
     (["parallel.ep=3"], "parallel.ep"),                                    # ep does not divide dp
     (["parallel.ep=4", "parallel.ranks_per_node=2", "model.n_routed_experts=6", "model.n_activated_experts=2"],
      "model.n_routed_experts"),                                             # experts not divisible by ep

@@ -146,6 +146,8 @@ def startup_lines(trainer) -> list[str]:
              f"device {trainer.device}",
              f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
              f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
+    if d.ep > 1:
+        lines.append(routing_line(c.model, d, p.ep_dispatcher))
     if c.train.precision == "fp8":
         lines.append(fp8_engines_line(trainer.device))
     if trainer.corpus is not None:
@@ -156,6 +158,15 @@ def startup_lines(trainer) -> list[str]:
             f"{name} ({src.num_tokens:,} tokens, weight {w:g})" for name, src, w in zip(b.names, b.sources, b.weights))
             + (f"; validation: {', '.join(trainer.val_sources)}" if trainer.val_sources else "; no validation"))
     return lines
+
+
+def routing_line(m, d: ParallelDims, dispatcher: str) -> str:
+    """How the model's routing groups lie on the EP group's nodes, and the bound node-limited routing gives."""
+    G, nodes = m.n_expert_groups, d.ep_nodes
+    M, N = d.routing_reach(m)
+    where = f"{G // nodes} per node" if G >= nodes else f"each spans {nodes // G} nodes"
+    return (f"routing: {G} expert groups on {nodes} EP node(s) ({where}), dispatcher {dispatcher}; each token "
+            f"reaches <= {M} groups = <= {N} node(s)")
 
 
 def fp8_engines_line(device: torch.device) -> str:

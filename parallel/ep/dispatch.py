@@ -11,7 +11,8 @@ launched asynchronously, with a reverse for the gradients, when a pipeline drive
 * ``HierarchicalDispatcher`` (node-limited): a token crosses to each target node **once** — to the
   rank with its own local index there — which forwards one copy per chosen expert to the ranks of its
   node; on the way back that rank sums its node's weighted expert outputs, so the return trip is also
-  one row per (token, node). With node-limited routing (M nodes) a token crosses at most M-1... M links.
+  one row per (token, node). With node-limited routing a token reaches at most the nodes
+  ``parallel.dims.routing_reach`` gives (M groups: at most M nodes, M x nodes / G when a group spans nodes).
 
 ``fp8=True`` (DeepSeek-V3's FP8 dispatch): the dispatched token rows travel as E4M3 bytes (sent as
 ``uint8``) plus one power-of-2 FP32 scale per 1x128 tile (``comm.fp8_route``), and are dequantised to the
