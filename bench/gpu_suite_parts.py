@@ -18,6 +18,7 @@ from bench.gpu_suite_ctx import (DENSE_MIN, DENSE_VS_TORCH_MIN, GROUPED_MIN, QUA
 from bench.suite_report import Mark, Part, Table, min_mark
 
 KERNEL_TESTS = ("tests/test_fp8_kernels.py", "tests/test_fp8_engines.py", "tests/test_fp8_linear.py",
+                "tests/test_fp8_tuning.py", "tests/test_cross_entropy.py",
                 "tests/test_hopper_gate.py")
 
 
@@ -350,7 +351,7 @@ def part_step(ctx: Ctx, part: Part) -> None:
     else:
         cfg, batch, seq, dev, iters = reduced_config("v3_small", 4), 4, 2048, "cuda", 3 if ctx.quick else 5
     res, deadline = {}, ctx.part_deadline("step")
-    for prec, head in (("bf16", "plain"), ("fp8", "plain"), ("bf16", "chunked")):
+    for prec, head in (("bf16", "plain"), ("fp8", "plain"), ("bf16", "fused"), ("fp8", "fused")):
         key = prec if head == "plain" else f"{prec} head_loss={head}"
         if time.monotonic() > deadline and res:
             part.notes.append(f"{key}: not run (time budget)")

@@ -193,7 +193,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
                  seed: int = 0, profile: bool = False, head_loss: str = "plain") -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
-    last loss. ``head_loss`` is ``train.head_loss`` (``models.loss.apply_head_loss``)."""
+    last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``)."""
     import torch
 
     import models
@@ -205,7 +205,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     dev = torch.device(device)
     torch.manual_seed(seed)
     model = models.build(cfg, device=dev, seed=seed)
-    from models.loss import apply_head_loss
+    from parallel.head_loss import apply_head_loss
     apply_head_loss(model, head_loss)
     if precision == "fp8":
         from parallel.fp8 import apply_fp8

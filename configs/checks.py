@@ -38,7 +38,7 @@ def recompute_modes() -> tuple[str, ...]:            # train.recompute
 
 
 def head_losses() -> tuple[str, ...]:                # train.head_loss
-    from models.loss import HEAD_LOSSES
+    from parallel.head_loss import HEAD_LOSSES
     return HEAD_LOSSES
 
 

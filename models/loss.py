@@ -1,5 +1,5 @@
 """Cross-entropy of a linear output head without FP32 logits: ``linear_cross_entropy(x_ND, w_VD, labels_N)``,
-taken by a ``ChunkedLossHead`` (``train.head_loss=chunked``: ``apply_head_loss`` turns the model's head into one).
+taken by a ``ChunkedLossHead`` (``train.head_loss=chunked``: ``parallel.head_loss`` turns the model's head into one).
 
 The plain path (``head(x)`` then ``F.cross_entropy(logits.float())``) keeps ``N x V`` FP32 log-probabilities for
 the backward and makes two more FP32 copies on the way (v3_small, 4 x 2048 tokens, V = 129,280: 4.2 GB each, per
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-HEAD_LOSSES = ("plain", "chunked")   # train.head_loss
 
 CHUNK_BYTES = 1 << 28   # FP32 temporaries per vocabulary block: 256 MiB (8,192 tokens: blocks of 8,192 words)
 IGNORE = -100           # F.cross_entropy's ignore_index
@@ -98,13 +96,3 @@ class ChunkedLossHead(nn.Linear):
 
     def cross_entropy(self, x_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(x_BTD.flatten(0, 1), self.weight, labels_BT.flatten())
-
-
-def apply_head_loss(model: nn.Module, kind: str) -> None:
-    """``train.head_loss``: ``chunked`` makes the model's plain linear head a ``ChunkedLossHead`` (in place, same
-    Parameter); ``plain`` leaves it. Before FP8, deferred Wgrad or pipeline stages wrap or move it: an FP8 or
-    deferred head computes its loss as ``head(x)`` + ``_ce`` whatever this says."""
-    if kind not in HEAD_LOSSES:
-        raise ValueError(f"train.head_loss: {kind!r} is not one of {HEAD_LOSSES}")
-    if kind == "chunked" and type(model.head) is nn.Linear and model.head.bias is None:
-        model.head.__class__ = ChunkedLossHead

@@ -17,7 +17,6 @@ from torch import nn
 from .attention import MLA
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
-from .loss import ChunkedLossHead
 from .moe import MoE
 from .steps import Steps, carrying, drive
 
@@ -141,10 +140,12 @@ def _ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
 
 
 def head_ce(head: nn.Module, x_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``head(x)``: a ``ChunkedLossHead`` (``train.head_loss=chunked``) through its chunked loss
-    (``models/loss.py``), any other head through its own forward and ``_ce``."""
-    if isinstance(head, ChunkedLossHead):
-        return head.cross_entropy(x_BTD, labels_BT)
+    """Cross-entropy of ``head(x)``: a head with its own ``cross_entropy(x, labels)`` (``train.head_loss``:
+    ``models.loss.ChunkedLossHead``, ``parallel.head_loss.FusedLossHead``) through it, any other head through its
+    forward and ``_ce``."""
+    own = getattr(head, "cross_entropy", None)
+    if own is not None:
+        return own(x_BTD, labels_BT)
     return _ce(head(x_BTD), labels_BT)
 
 

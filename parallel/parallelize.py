@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from models.loss import apply_head_loss
-
 from .dims import ParallelDims
 from .ep import apply_ep
+from .head_loss import apply_head_loss
 from .pipeline.runner import PipelineRunner
 from .pipeline.schedules import NO_PIPELINE
 from .precision import Precision

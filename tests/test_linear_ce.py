@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 import models.loss as loss_mod
 from models import ModelConfig, build
-from models.loss import HEAD_LOSSES, IGNORE, ChunkedLossHead, apply_head_loss, linear_cross_entropy
+from models.loss import IGNORE, ChunkedLossHead, linear_cross_entropy
+from parallel.head_loss import HEAD_LOSSES, FusedLossHead, apply_head_loss
 from models.transformer import _ce
 
 from .trainer_utils import read_jsonl
@@ -61,19 +62,26 @@ def test_without_grad_only_the_loss():
     assert torch.allclose(loss, F.cross_entropy(x @ w.t(), labels), rtol=1e-6)
 
 
-def test_the_chunked_head_keeps_no_logits_for_the_backward():
+def test_the_chunked_head_keeps_no_logits_for_the_backward(monkeypatch):
     """compute_loss of a model with MTP and train.head_loss=chunked saves nothing of shape [..., V] (the plain path
-    keeps three per head), and its loss and gradients equal the plain head's."""
+    keeps three per head), and its loss and gradients equal the plain head's; train.head_loss=fused (its Triton
+    cross-entropy forced onto the interpreter: on a CPU it runs F.cross_entropy) keeps the logits only."""
+    pytest.importorskip("triton")
+    import kernels
+    kernels.configure()
+    from kernels.cross_entropy import triton_cross_entropy
+    monkeypatch.setattr("parallel.head_loss.cross_entropy", triton_cross_entropy)
     cfg = ModelConfig(vocab_size=512, dim=32, n_layers=2, first_k_dense=1, inter_dim=48, n_heads=2, q_lora_rank=16,
                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_inter_dim=16,
                       n_routed_experts=4, n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, mtp_depth=1)
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 512, (2, 15), generator=torch.Generator().manual_seed(3))   # 30 tokens: not the dim
     labels = torch.roll(ids, -1, 1)
     runs = {}
     for kind in HEAD_LOSSES:
         model = build(cfg, seed=0)
         apply_head_loss(model, kind)
         assert isinstance(model.head, ChunkedLossHead) == (kind == "chunked")
+        assert isinstance(model.head, FusedLossHead) == (kind == "fused")
         shapes = []
 
         def pack(t):
@@ -83,13 +91,16 @@ def test_the_chunked_head_keeps_no_logits_for_the_backward():
             out = model.compute_loss(ids, labels, mtp_weight=0.3)
         out.loss.backward()
         runs[kind] = (out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-                      [s for s in shapes if s and s[-1] == 512])
+                      [s for s in shapes if s and s[-1] == 512 and s != (32, 512)])     # not the head's Wᵀ
     (ref, g_ref, kept_ref), (out, g, kept) = runs["plain"], runs["chunked"]
     assert len(kept_ref) >= 4 and kept == [], (kept_ref, kept)
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-6) and torch.allclose(out.mtp_loss, ref.mtp_loss, rtol=1e-6)
-    assert g.keys() == g_ref.keys()
-    for n in g:
-        assert torch.allclose(g[n], g_ref[n], rtol=1e-4, atol=1e-7), n
+    assert len(runs["fused"][2]) == 2, runs["fused"][2]         # one [B, T, V] logits tensor per head
+    for kind in ("chunked", "fused"):
+        (out, g, _) = runs[kind]
+        assert torch.allclose(out.loss, ref.loss, rtol=1e-6) and torch.allclose(out.mtp_loss, ref.mtp_loss, rtol=1e-6)
+        assert g.keys() == g_ref.keys()
+        for n in g:
+            assert torch.allclose(g[n], g_ref[n], rtol=1e-4, atol=1e-7), (kind, n)
 
 
 def test_a_chunked_run_trains_like_a_plain_one(tmp_path):
@@ -102,3 +113,4 @@ def test_a_chunked_run_trains_like_a_plain_one(tmp_path):
         losses[kind] = [r["loss"] for r in read_jsonl(tmp_path / kind / "metrics.jsonl")]
     assert len(losses["plain"]) == 4
     assert losses["chunked"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert losses["fused"] == losses["plain"]          # on a CPU the fused head runs F.cross_entropy

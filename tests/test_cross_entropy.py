@@ -1,0 +1,87 @@
+"""The Triton cross-entropy (``kernels/cross_entropy.py``) against ``F.cross_entropy`` of the FP32 logits: loss and
+gradient, with ignored labels, ragged vocabulary blocks, BF16 and FP32 logits; its self-check; and the dispatch
+(Triton on a device where it passed its check, the reference elsewhere). Under the interpreter on CPU, compiled
+on a GPU."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+
+kernels.configure()
+from kernels import cross_entropy as ce  # noqa: E402
+from kernels import selfcheck  # noqa: E402
+
+DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    selfcheck.forget()
+    yield
+    selfcheck.forget()
+
+
+def problem(N, V, dtype, seed=0, ignore_every=5):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, V, generator=g) * 3).to(device=DEV, dtype=dtype)
+    labels = torch.randint(0, V, (N,), generator=g).to(DEV)
+    if ignore_every:
+        labels[::ignore_every] = ce.IGNORE
+    return logits, labels
+
+
+def loss_and_grad(fn, logits, labels, scale=1.0):
+    x = logits.clone().requires_grad_(True)
+    loss = fn(x, labels)
+    (loss * scale).backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,V,block", [(37, 1000, 256), (5, 300, 1024), (16, 4099, 512)])
+def test_matches_f_cross_entropy(dtype, N, V, block):
+    logits, labels = problem(N, V, dtype)
+    want, dwant = loss_and_grad(ce.reference_cross_entropy, logits, labels, scale=0.7)
+    got, dgot = loss_and_grad(lambda x, y: ce.triton_cross_entropy(x, y, block_v=block), logits, labels, scale=0.7)
+    assert dgot.dtype == dtype and dgot.shape == logits.shape
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    # the gradient: the same FP32 value up to summation order, rounded once to the logits' dtype
+    tol = {torch.bfloat16: 8e-3, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(dgot.float(), dwant.float(), rtol=tol, atol=tol * dwant.abs().max().item())
+    assert (dgot[labels == ce.IGNORE] == 0).all()
+    assert float((dgot.float() - dwant.float()).norm() / dwant.float().norm()) < 1e-3
+
+
+def test_large_logits_and_every_label_ignored():
+    logits, labels = problem(8, 700, torch.float32, ignore_every=0)
+    logits = logits * 1e3                        # exp overflows without the running max
+    want, dwant = loss_and_grad(ce.reference_cross_entropy, logits, labels)
+    got, dgot = loss_and_grad(lambda x, y: ce.triton_cross_entropy(x, y, block_v=128), logits, labels)
+    assert torch.isfinite(got) and torch.isfinite(dgot).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(dgot, dwant, rtol=1e-5, atol=1e-6)
+    none = torch.full_like(labels, ce.IGNORE)
+    got, dgot = loss_and_grad(lambda x, y: ce.triton_cross_entropy(x, y, block_v=128), logits, none)
+    assert float(got) == 0.0 and (dgot == 0).all()      # nothing to average (F.cross_entropy: 0/0 = nan)
+
+
+def test_self_check_passes_here_and_a_wrong_kernel_gives_way(monkeypatch, caplog):
+    assert ce.self_check(DEV) < ce.CHECK_TOL
+    with torch.no_grad():                                   # a first use in evaluation checks it all the same
+        assert ce.self_check(DEV) < ce.CHECK_TOL
+    logits, labels = problem(9, 300, torch.bfloat16)
+    if DEV.type == "cuda":
+        monkeypatch.setattr(ce, "self_check", lambda device: 0.5)
+        with caplog.at_level(logging.WARNING, logger="kernels"):
+            got = ce.cross_entropy(logits, labels)
+            ce.cross_entropy(logits, labels)
+        assert len(caplog.records) == 1 and "using F.cross_entropy instead" in caplog.records[0].getMessage()
+        assert float(got) == float(ce.reference_cross_entropy(logits, labels))
+    else:       # off CUDA the reference runs (the interpreter is for tests), and no check is made
+        assert float(ce.cross_entropy(logits, labels)) == float(ce.reference_cross_entropy(logits, labels))
+        assert not selfcheck.verdicts()
