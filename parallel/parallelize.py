@@ -37,7 +37,7 @@ class ParallelSpec:
     pp_layout: tuple[int, ...] | None = None
     overlap: bool = True                    # parallel.overlap
     recompute: str = "none"                 # train.recompute
-    head_loss: str = "plain"                # train.head_loss
+    head_loss: str = "fused"                # train.head_loss
 
 
 def fb_overlap(overlap: bool, ep: int) -> bool:

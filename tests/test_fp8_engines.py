@@ -26,7 +26,10 @@ def assert_gemm_close(out, want):
 
 
 @pytest.fixture(autouse=True)
-def fresh_verdicts():
+def fresh_verdicts(monkeypatch, tmp_path):
+    """No cached verdict, and no tuned launch config (a GPU's table would be checked first: test_fp8_tuning)."""
+    (tmp_path / "untuned.json").write_text('{"configs": {}}')
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "untuned.json"))
     selfcheck.forget()
     yield
     selfcheck.forget()
@@ -101,8 +104,6 @@ def test_triton_quantisers_pass_their_self_checks(op):
 
 def test_default_launch_variants_are_self_checked_and_never_warp_specialised(monkeypatch, tmp_path):
     monkeypatch.delenv(gemm.WS_ENV, raising=False)
-    (tmp_path / "none.json").write_text('{"configs": {}}')        # no tuned config (the GPU's table: test_fp8_tuning)
-    monkeypatch.setenv(tuning.ENV, str(tmp_path / "none.json"))
     assert [n for n, _ in gemm.variant_chain(True)] == ["tma", "pointers"]
     assert [n for n, _ in gemm.variant_chain(False)] == ["pointers"]
     assert not any(v["WARP_SPECIALIZE"] for _, v in gemm.variant_chain(True))

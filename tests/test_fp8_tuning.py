@@ -26,10 +26,13 @@ def fresh_verdicts():
     selfcheck.forget()
 
 
+DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def operands():
     g = torch.Generator().manual_seed(0)
-    a, sa = ref.quant_act(torch.randn(200, 464, generator=g))
-    b, sb = ref.quant_weight(torch.randn(136, 464, generator=g))
+    a, sa = ref.quant_act(torch.randn(200, 464, generator=g).to(DEV))
+    b, sb = ref.quant_weight(torch.randn(136, 464, generator=g).to(DEV))
     return a, sa, b, sb
 
 

@@ -78,7 +78,7 @@ def op_class(name: str) -> str:
         return "copy / cast"
     if name.startswith("aten._foreach") or name.startswith("aten._fused_adam"):
         return "optimizer (foreach)"
-    if "softmax" in name or "nll_loss" in name:
+    if "softmax" in name or "nll_loss" in name or name.startswith("cross-entropy"):
         return "softmax / loss"
     return "elementwise / other"
 
@@ -264,11 +264,51 @@ def fused_attention(recorder: Recorder):
         torch.nn.functional.scaled_dot_product_attention = original
 
 
+class _FusedCrossEntropy(torch.autograd.Function):
+    """``kernels/cross_entropy.py`` as CUDA runs it (``train.head_loss=fused``): one kernel forward (reads the
+    logits, writes a loss and a log-sum-exp per row), one backward (reads the logits, writes dlogits), recorded
+    as such; the reductions of the mean are small ops of their own."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, recorder):
+        rows = logits.new_empty(2, logits.shape[0], dtype=torch.float32)
+        ctx.save_for_backward(logits)
+        ctx.recorder = recorder
+        recorder.record("cross-entropy forward", None, (logits, labels), {}, rows, 0.0)
+        return rows[0].sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        dlogits = torch.empty_like(logits)
+        ctx.recorder.record("cross-entropy backward", None, (logits,), {}, dlogits, 0.0)
+        return dlogits, None, None
+
+
+@contextlib.contextmanager
+def fused_cross_entropy(recorder: Recorder):
+    """``parallel.head_loss``'s cross-entropy (the fused head's) replaced by ``_FusedCrossEntropy``."""
+    from parallel import head_loss
+
+    def ce(logits, labels):
+        with _paused(recorder):
+            return _FusedCrossEntropy.apply(logits, labels, recorder)
+
+    original, head_loss.cross_entropy = head_loss.cross_entropy, ce
+    try:
+        yield
+    finally:
+        head_loss.cross_entropy = original
+
+
+FUSED = ("attention", "cross-entropy")   # ops that record themselves
+
+
 @contextlib.contextmanager
 def _paused(recorder: Recorder):
     """The recorder's dispatch hook off (the fused op records itself; ``new_empty`` is no kernel anyway)."""
     saved = recorder.record
-    recorder.record = lambda name, *a, **k: saved(name, *a, **k) if name.startswith("attention") else None
+    recorder.record = lambda name, *a, **k: saved(name, *a, **k) if name.startswith(FUSED) else None
     try:
         yield
     finally:
@@ -299,6 +339,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallel.dims import ParallelDims
+    from parallel.head_loss import apply_head_loss
     from parallel.precision import Precision
     from parallel.zero import build_optimizer
     t = cfg.train
@@ -306,6 +347,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     rec = Recorder(hw)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(cfg, layers)
+        apply_head_loss(model, t.head_loss)
         if precision.fp8:
             from parallel.fp8 import apply_fp8
             apply_fp8(model, backend="emulation")
@@ -315,7 +357,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
         ids = torch.randint(0, model.cfg.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1))
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
-        with rec, fused_attention(rec), as_on_cuda():
+        with rec, fused_attention(rec), fused_cross_entropy(rec), as_on_cuda():
             for _ in range(micro_batches):
                 rec.phase = "forward"
                 with autocast:

@@ -29,7 +29,8 @@ weighting each live activation by its stage's size; without a pipeline one micro
 With ``--recipe trainer train.precision=fp8`` the FP8 layers' inputs are counted as their FP8 copies.
 Not modelled: temporary buffers (all-to-all, logits before the loss), the FP8 weight copies and expert tile
 padding (``trainer/activations.py``), autocast's weight copies and the gate's fp32 input copy under bf16,
-fragmentation; the headroom stands for them.
+fragmentation; the headroom stands for them. The heads are counted as ``train.head_loss=plain`` keeps them (FP32
+log-probabilities): an upper bound for ``fused`` (the logits in BF16) and ``chunked`` (none).
 """
 from __future__ import annotations
 
