@@ -213,12 +213,15 @@ def register() -> None:
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The typed config of ``configs/config.yaml`` with Hydra ``overrides``, as ``python -m trainer`` composes it
-    (not yet validated): the one compose for the tools and benchmarks."""
+    (not yet validated; ``checkpoint.init_from`` applied, ``configs.init_from``): the one compose for the tools and
+    benchmarks."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
+
+    from .init_from import apply_init_from
     register()
     with initialize_config_module("configs", version_base=None):
-        return to_object(hydra_compose("config", overrides=list(overrides)))
+        return apply_init_from(to_object(hydra_compose("config", overrides=list(overrides))), overrides)
 
 
 def to_object(cfg: Any) -> Config:
