@@ -147,7 +147,7 @@ class BlendSource:
 @dataclass
 class DataConfig:
     path: Optional[str] = None        # None: embedded corpus (CPython's pydoc topics); else file/glob/dir/saved dataset
-    tokenizer: Optional[str] = None   # None: byte-level BPE trained on first use (vocab = model.vocab_size); else HF tokenizer dir
+    tokenizer: Optional[str] = None   # None: checkpoint.init_from's tokenizer, else a byte-level BPE trained on first use (vocab = model.vocab_size); else HF tokenizer dir or tokenizer.json
     seq_len: int = 128
     text_field: str = "text"
     val_fraction: float = 0.05        # share of documents held out for validation, in [0, 1); 0 = no validation
@@ -187,6 +187,8 @@ class CheckpointConfig:
     resume: str = "auto"              # auto (newest complete checkpoint in dir, if any) | none | <path>
     # Start from these weights (our checkpoint's step dir, or a Hugging Face DeepseekV3 directory): model and
     # balancing biases only, step 0, fresh optimizer, any layout. Ignored once checkpoint.resume finds a checkpoint.
+    # A HF directory's config.json is the model unless model=<preset> is on the command line; the tokenizer it
+    # carries (a HF directory's, a step dir's) is data.tokenizer unless that is set (configs/init_from.py).
     init_from: Optional[str] = None
     keep: int = 3                     # newest checkpoints kept; 0 keeps all
     save_final: bool = True
