@@ -147,7 +147,7 @@ class BlendSource:
 @dataclass
 class DataConfig:
     path: Optional[str] = None        # None: embedded corpus (CPython's pydoc topics); else file/glob/dir/saved dataset
-    tokenizer: Optional[str] = None   # None: checkpoint.init_from's tokenizer, else a byte-level BPE trained on first use (vocab = model.vocab_size); else HF tokenizer dir or tokenizer.json
+    tokenizer: Optional[str] = None   # HF tokenizer dir or tokenizer.json; None: the one checkpoint.init_from carries, else a byte-level BPE trained on first use (vocab = model.vocab_size)
     seq_len: int = 128
     text_field: str = "text"
     val_fraction: float = 0.05        # share of documents held out for validation, in [0, 1); 0 = no validation
