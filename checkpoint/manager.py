@@ -304,15 +304,15 @@ class CheckpointManager:
             f"checkpoint.resume=none or another checkpoint.dir")
 
     # ---- save / load -------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], files: dict[str, str] | None = None) -> Path:
-        """Write ``state`` (DCP) plus small text ``files`` as ``step_<step>`` with a manifest; atomic for
+    def save(self, step: int, state: dict[str, Any], files: dict[str, str | bytes] | None = None) -> Path:
+        """Write ``state`` (DCP) plus small ``files`` (text or bytes, by name) as ``step_<step>`` with a manifest; atomic for
         readers. Collective: every rank calls it. Raises ``NonFiniteStateError`` (nothing written) or
         ``CheckpointWriteError`` (temp dir removed, earlier checkpoints untouched, nothing pruned)."""
         self.wait()
         tmp, final = self._begin(step, state)
         return self._write(step, state, tmp, final, files or {})
 
-    def save_async(self, step: int, state: dict[str, Any], files: dict[str, str] | None = None) -> Path:
+    def save_async(self, step: int, state: dict[str, Any], files: dict[str, str | bytes] | None = None) -> Path:
         """``save`` with the write in the background: waits for the previous background save (raising its
         error), checks and stages ``state`` (a CPU copy: the caller may change ``state`` once this returns),
         then writes it on the writer thread; returns the step dir it will be. ``NonFiniteStateError`` is raised
@@ -385,7 +385,7 @@ class CheckpointManager:
             self._failed(step, tmp, final, err)
         return tmp, final
 
-    def _write(self, step: int, state: dict[str, Any], tmp: Path, final: Path, files: dict[str, str],
+    def _write(self, step: int, state: dict[str, Any], tmp: Path, final: Path, files: dict[str, str | bytes],
                group=None) -> Path:
         """The rest of a save, after ``_begin``: DCP write, digests, manifest, rename, ``latest``, pruning.
         ``group``: the process group of its collectives (None: the default)."""
@@ -430,11 +430,11 @@ class CheckpointManager:
             f"earlier checkpoints are untouched (newest: {prev if prev else 'none'}) and none was pruned. Free "
             f"space or fix {self.root}, then resume with checkpoint.resume=auto", code)
 
-    def _finish(self, step: int, tmp: Path, final: Path, files: dict[str, str],
+    def _finish(self, step: int, tmp: Path, final: Path, files: dict[str, str | bytes],
                 digests: dict[str, tuple[int, str]]) -> None:
         """Writer rank, after every rank's shards are on disk: small files, manifest (last), rename."""
-        for name, text in files.items():
-            _write_synced(tmp / name, text.encode())
+        for name, data in files.items():
+            _write_synced(tmp / name, data if isinstance(data, bytes) else data.encode())
         problems = _structure_problems(tmp)   # .metadata unpickles and covers shards that exist
         if problems:
             v = Verdict(tmp, problems)

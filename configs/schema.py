@@ -147,7 +147,7 @@ class BlendSource:
 @dataclass
 class DataConfig:
     path: Optional[str] = None        # None: embedded corpus (CPython's pydoc topics); else file/glob/dir/saved dataset
-    tokenizer: Optional[str] = None   # None: byte-level BPE trained on first use (vocab = model.vocab_size); else HF tokenizer dir
+    tokenizer: Optional[str] = None   # HF tokenizer dir or tokenizer.json; None: the one checkpoint.init_from carries, else a byte-level BPE trained on first use (vocab = model.vocab_size)
     seq_len: int = 128
     text_field: str = "text"
     val_fraction: float = 0.05        # share of documents held out for validation, in [0, 1); 0 = no validation
@@ -187,6 +187,8 @@ class CheckpointConfig:
     resume: str = "auto"              # auto (newest complete checkpoint in dir, if any) | none | <path>
     # Start from these weights (our checkpoint's step dir, or a Hugging Face DeepseekV3 directory): model and
     # balancing biases only, step 0, fresh optimizer, any layout. Ignored once checkpoint.resume finds a checkpoint.
+    # A HF directory's config.json is the model unless model=<preset> is on the command line; the tokenizer it
+    # carries (a HF directory's, a step dir's) is data.tokenizer unless that is set (configs/init_from.py).
     init_from: Optional[str] = None
     keep: int = 3                     # newest checkpoints kept; 0 keeps all
     save_final: bool = True
@@ -213,12 +215,15 @@ def register() -> None:
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The typed config of ``configs/config.yaml`` with Hydra ``overrides``, as ``python -m trainer`` composes it
-    (not yet validated): the one compose for the tools and benchmarks."""
+    (not yet validated; ``checkpoint.init_from`` applied, ``configs.init_from``): the one compose for the tools and
+    benchmarks."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
+
+    from .init_from import apply_init_from
     register()
     with initialize_config_module("configs", version_base=None):
-        return to_object(hydra_compose("config", overrides=list(overrides)))
+        return apply_init_from(to_object(hydra_compose("config", overrides=list(overrides))), overrides)
 
 
 def to_object(cfg: Any) -> Config:

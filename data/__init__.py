@@ -9,8 +9,9 @@ from .blend import BadDocument, BlendedBatches, blend_val_batches
 from .corpus import Corpus, load_corpus, use_offline_hub
 from .ramp import batch_size_at, micro_batches, ramp_sizes
 from .shards import TokenSource, open_tokens, token_dtype, write_shard
-from .tokenizer import EOS, encode, find_eos_id, load_tokenizer
+from .tokenizer import EOS, carried_tokenizer, encode, find_eos_id, load_tokenizer, tokenizer_files, vocab_difference
 
 __all__ = ["PackedBatches", "val_batches", "BadDocument", "BlendedBatches", "blend_val_batches", "Corpus", "load_corpus",
            "use_offline_hub", "batch_size_at", "micro_batches", "ramp_sizes", "TokenSource", "open_tokens", "token_dtype",
-           "write_shard", "EOS", "encode", "find_eos_id", "load_tokenizer"]
+           "write_shard", "EOS", "carried_tokenizer", "encode", "find_eos_id", "load_tokenizer", "tokenizer_files",
+           "vocab_difference"]

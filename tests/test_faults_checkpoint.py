@@ -211,10 +211,10 @@ def test_readonly_checkpoint_dir_fails_at_startup(tmp_path, base, monkeypatch):
     """Read-only storage, simulated: creating the probe file fails with EROFS."""
     real_open = ckpt_mod.os.open
 
-    def ro_open(path, flags, *a):
+    def ro_open(path, flags, *a, **kw):   # os.open's signature: shutil.rmtree passes dir_fd=
         if ".probe-" in str(path):
             raise OSError(errno.EROFS, "Read-only file system", str(path))
-        return real_open(path, flags, *a)
+        return real_open(path, flags, *a, **kw)
 
     monkeypatch.setattr(ckpt_mod.os, "open", ro_open)
     with pytest.raises(CheckpointDirError, match=rf"checkpoint.dir: {tmp_path}/ro cannot be created or written "

@@ -19,10 +19,12 @@ SMALL = ["train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """Random weights of the tiny preset (another seed than the trainer's), as HF files: 3+ shards."""
+    """Random weights of the tiny preset (another seed than the trainer's), as HF files: 3+ shards, and a tokenizer
+    (the trainer's data tokenizer: checkpoint.init_from carries it)."""
+    from .test_hf_sharded import tiny_tokenizer
     out = tmp_path_factory.mktemp("hf")
     model = models.build(make_config().model, device="cpu", seed=1234)
-    to_hf(model, out, max_shard_bytes=2 * 2**20)
+    to_hf(model, out, max_shard_bytes=2 * 2**20, tokenizer=tiny_tokenizer())
     assert len(list(out.glob("model-*.safetensors"))) >= 3
     return out
 
@@ -45,6 +47,8 @@ def _fp8_copy(hf_dir, out):
     for f in sorted(hf_dir.glob("*.safetensors")):
         sd.update(load_file(f))
     write_hf_checkpoint(sd, DeepseekV3Config.from_pretrained(str(hf_dir)), out, n_files=3, fp8=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((hf_dir / f).read_bytes())
     return out
 
 

@@ -60,8 +60,9 @@ def test_cluster_log_lines(tmp_path, cache):
     assert fields == ["step", "loss", "lr", "grad", *fields[4:5], "MFU", "mem", "ETA"] and "tok/s" in steps[0]
     assert any(line.startswith(f"checkpoint saved: {tmp_path}/run/checkpoints/step_00000004 (step 4")
                for line in out)
-    tok = (tmp_path / "run/tokenizer.json").read_text()   # the tokenizer travels with the run and each checkpoint
-    assert (tmp_path / "run/checkpoints/step_00000004/tokenizer.json").read_text() == tok
+    tok = {f.name: f.read_bytes() for f in (tmp_path / "run/tokenizer").iterdir()}   # it travels with the run ...
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(tok)                     # ... and each checkpoint
+    assert {f: (tmp_path / "run/checkpoints/step_00000004" / f).read_bytes() for f in tok} == tok
     log = (tmp_path / "run/train.log").read_text().splitlines()
     assert steps[0] in log and steps[1] in log and "\r" not in proc.stdout + proc.stderr   # no progress bar
     # each validation as it is computed (before the first step, after the last), not only in the final line

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_module
 
+from configs.init_from import apply_init_from
 from configs.schema import register, to_object, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,9 +18,11 @@ def fast_overrides(tmp: Path, cache: Path) -> list[str]:
 
 
 def make_config(*overrides: str, world_size: int = 1):
+    """``+exp=tiny`` and ``overrides``, composed as ``python -m trainer`` does (``checkpoint.init_from`` applied)."""
     register()
     with initialize_config_module("configs", version_base=None):
-        return validate(to_object(compose("config", overrides=["+exp=tiny", *overrides])), world_size)
+        cfg = to_object(compose("config", overrides=["+exp=tiny", *overrides]))
+    return validate(apply_init_from(cfg, overrides), world_size)
 
 
 def run_inprocess(run_dir: Path, *overrides: str) -> dict:

@@ -11,8 +11,9 @@ DCP runs in one process without ``init_process_group``. The weight/config mappin
 ``import`` records the model config exactly as converted (``models.hf.config_from_hf_dir``) and copies the HF
 directory's tokenizer files, if any, to ``<out_dir>/tokenizer/``. ``export`` writes the tokenizer given by
 ``--tokenizer`` (a HF tokenizer directory or a tokenizer.json, read as the trainer reads ``data.tokenizer``),
-else the one a checkpoint carries (``tokenizer/`` or ``tokenizer.json`` in the checkpoint directory or its
-parent), and takes ``bos/eos/pad`` ids from it. Both print what they wrote and how to load it.
+else the one a checkpoint carries (the trainer's step dir holds its tokenizer's files: bos/eos/pad, special
+tokens, chat template; ``tokenizer/`` or ``tokenizer.json`` in the checkpoint directory or its parent), with its
+special tokens and chat template, and takes ``bos/eos/pad`` ids from it. Both print what they wrote and how to load it.
 Errors (missing directory or files, unsupported config) print one line and exit with status 2.
 """
 from __future__ import annotations
@@ -98,20 +99,18 @@ def load_tokenizer(path):
 
 
 def carried_tokenizer(ckpt_dir) -> Path | None:
-    """The tokenizer a checkpoint carries: ``tokenizer/`` or ``tokenizer.json`` in it or in its parent
-    (the trainer's ``checkpoint.dir`` holds the ``step_*`` directories), first found."""
+    """The tokenizer a checkpoint carries (``data.carried_tokenizer``: the trainer's step dir holds the tokenizer's
+    files, ``import`` writes ``tokenizer/``, older step dirs a bare ``tokenizer.json``), or its parent's."""
+    from data.tokenizer import carried_tokenizer as carried
+
     src = Path(ckpt_dir)
-    for d in (src, src.parent):
-        for candidate in (d / "tokenizer", d / "tokenizer.json"):
-            if candidate.exists():
-                return candidate
-    return None
+    return carried(src) or carried(src.parent)
 
 
 def _copy_tokenizer_files(hf_dir: Path, out: Path) -> list[str]:
-    from tools.prepare_data import _TOKENIZER_FILES
+    from data.tokenizer import TOKENIZER_FILES
 
-    names = [n for n in _TOKENIZER_FILES if (hf_dir / n).is_file()]
+    names = [n for n in TOKENIZER_FILES if (hf_dir / n).is_file()]
     if names:
         (out / "tokenizer").mkdir(exist_ok=True)
         for n in names:

@@ -38,13 +38,10 @@ import numpy as np
 from errors import ConfigError
 from data.corpus import (FILE_BUILDERS, atomic_write, files_fingerprint, iter_docs, load_sources, resolve_source,
                           use_offline_hub)
-from data.tokenizer import encode, find_eos_id, load_tokenizer
+from data.tokenizer import TOKENIZER_FILES, encode, find_eos_id, load_tokenizer
 from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, open_tokens, token_dtype, write_shard
 
 _COMPRESSED = {f"{ext}.gz": ext for ext in (".jsonl", ".json", ".txt")}
-# Files a HF tokenizer directory may hold besides model weights and configs; these travel with the data.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")
 _KEYS = {"data.path": "--input", "data.tokenizer": "--tokenizer", "data.text_field": "--text-field"}
 KILL_AFTER_ENV = "DSV3_PREPARE_DATA_KILL_AFTER"   # test hook: SIGKILL this process after N shards of a run
 
@@ -119,7 +116,7 @@ def _rows(sources, a: int, b: int) -> list:
 def _tokenizer_files(path: str, tok) -> dict[str, bytes]:
     """The files copied to OUTPUT/tokenizer/; always holds tokenizer.json, whose sha256 names the tokenizer."""
     p = Path(os.path.expanduser(path))
-    files = {f.name: f.read_bytes() for f in sorted(p.iterdir()) if f.name in _TOKENIZER_FILES} if p.is_dir() \
+    files = {f.name: f.read_bytes() for f in sorted(p.iterdir()) if f.name in TOKENIZER_FILES} if p.is_dir() \
         else {"tokenizer.json": p.read_bytes()}
     if "tokenizer.json" not in files:
         backend = getattr(tok, "backend_tokenizer", None)

@@ -29,6 +29,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from configs.init_from import apply_init_from  # noqa: E402
 from configs.schema import check_key, register, to_object, validate  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from models.config import ModelError  # noqa: E402
@@ -152,7 +153,8 @@ def main(dcfg: DictConfig) -> None:
     stops = _STOPS or StartupStops(int(os.environ.get("RANK", "0"))).install()
     try:
         try:
-            cfg = validate(to_object(dcfg), world_size)   # before any collective
+            # checkpoint.init_from: an HF directory's config.json is the model, its tokenizer the data's
+            cfg = validate(apply_init_from(to_object(dcfg), HydraConfig.get().overrides.task), world_size)
         except ConfigError as e:
             _config_error(e)
         try:

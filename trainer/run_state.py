@@ -18,7 +18,6 @@ from errors import ConfigError
 from parallel.state_dict import like, to_global, to_local
 
 from .metrics import RUN_ID_FILE
-from .startup import tokenizer_json
 
 
 def state_dict(trainer) -> dict:
@@ -132,8 +131,13 @@ def init_weights_from(trainer, src: str) -> str:
     Hugging Face DeepseekV3 directory (each rank reads only its own tensors); returns the log line."""
     path, model = Path(src).expanduser(), trainer.model
     if (path / "config.json").is_file():
+        from models.config import ModelError
         from models.hf import check_config, load_hf_into
-        check_config(trainer.cfg.model, path)   # by meaning: init_std / max_seq_len touch no weight
+        try:
+            check_config(trainer.cfg.model, path)   # by meaning: init_std / max_seq_len touch no weight
+        except ModelError as e:   # a model=<preset> on the command line, or a model key set there
+            raise ConfigError(f"checkpoint.init_from: {e}; without model=<preset> and that key on the command line "
+                              "the model is its config.json") from None
         model.to_empty(device="cpu")    # built on meta (see Trainer.__init__): allocate what this rank keeps
         model.init_weights()            # every tensor is then overwritten; buffers get defined values
         stats = load_hf_into(model, path)   # this rank's tensors only (its stages, its experts' slice)
@@ -249,7 +253,7 @@ def config_changes(cfg, path: Path) -> str | None:
     return f"config changed since {path}: " + ", ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in listed)
 
 
-def checkpoint_files(trainer) -> dict[str, str]:
+def checkpoint_files(trainer) -> dict[str, str | bytes]:
     """The files a checkpoint carries beside its tensors: model config, run config, W&B run id, tokenizer, and
     (health guard on) whether it was written while healthy (never pruned in favour of unhealthy ones)."""
     cfg = trainer.cfg
@@ -260,7 +264,7 @@ def checkpoint_files(trainer) -> dict[str, str]:
     run_id = getattr(getattr(trainer, "logger", None), "run_id", None)   # rank 0's W&B run id: a resume continues it
     if run_id:
         files[RUN_ID_FILE] = run_id + "\n"
-    tokenizer = tokenizer_json(cfg, trainer.corpus)
-    if tokenizer:   # the checkpoint carries its tokenizer (tools.convert_hf export picks it up)
-        files["tokenizer.json"] = tokenizer
+    # The checkpoint carries its tokenizer's files beside the others, so the step dir loads as a tokenizer too
+    # (AutoTokenizer.from_pretrained, data.carried_tokenizer): tools.convert_hf export and checkpoint.init_from use it.
+    files.update(trainer.tokenizer_files)
     return files

@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 import models
 from configs.schema import Config
-from data import (BlendedBatches, PackedBatches, batch_size_at, blend_val_batches, load_corpus, micro_batches,
-                  val_batches)
+from data import (BlendedBatches, PackedBatches, batch_size_at, blend_val_batches, carried_tokenizer, find_eos_id,
+                  load_corpus, load_tokenizer, micro_batches, val_batches, vocab_difference)
 from errors import ConfigError
 from parallel.dims import ParallelDims
 from parallel.parallelize import ParallelSpec, parallelize
@@ -109,16 +109,63 @@ def open_blend(cfg: Config, dims: ParallelDims):
     return batches, val
 
 
-def tokenizer_json(cfg: Config, corpus) -> str | None:
-    """The run's tokenizer as tokenizer.json text: the text corpus's, or the token datasets' own copy."""
+def run_tokenizer(cfg: Config, corpus):
+    """The tokenizer the run's token ids come from: the text corpus's, or the first token dataset's own copy
+    (``tools.prepare_data`` writes it to ``<dataset>/tokenizer/``); None for datasets without one (Megatron's)."""
     if corpus is not None:
-        backend = getattr(corpus.tokenizer, "backend_tokenizer", None)
-        return backend.to_str() if backend is not None else None
+        return corpus.tokenizer
     for s in cfg.data.blend:
-        f = Path(s.path).expanduser() / "tokenizer" / "tokenizer.json"
-        if f.is_file():
-            return f.read_text()
+        d = Path(s.path).expanduser() / "tokenizer"
+        if d.is_dir():
+            tok, _ = load_tokenizer(str(d))
+            find_eos_id(tok, str(d))
+            return tok
     return None
+
+
+def check_init_tokenizer(cfg: Config) -> None:
+    """``checkpoint.init_from`` carries a tokenizer (``data.carried_tokenizer``): the data must have been or be
+    tokenized with one that gives every token the same id (and the same EOS), else one ``ConfigError`` line naming
+    both. A Hugging Face directory without a tokenizer needs ``data.tokenizer`` for a text corpus: a BPE trained on
+    the corpus would give the weights' ids other tokens. Token datasets without a tokenizer copy (Megatron's) are
+    not checked; ``data.blend``'s vocabulary size against ``model.vocab_size`` is (``open_blend``)."""
+    from configs.init_from import is_hf_dir
+    src, d = cfg.checkpoint.init_from, cfg.data
+    carried = carried_tokenizer(src)
+    if carried is None:
+        if is_hf_dir(src) and not d.blend and d.tokenizer is None:
+            raise ConfigError(f"checkpoint.init_from: {src} holds no tokenizer (tokenizer.json, tokenizer_config.json): "
+                              "set data.tokenizer to the tokenizer its weights were trained with (a byte-level BPE "
+                              "trained on this corpus would give the weights' ids other tokens)")
+        return
+    if not d.blend and d.tokenizer is not None and Path(d.tokenizer).expanduser() == carried:
+        return   # the carried one itself (configs.init_from's default)
+    try:
+        model_tok, _ = load_tokenizer(str(carried))
+        find_eos_id(model_tok, str(carried))
+    except ConfigError as e:   # its messages name data.tokenizer; this one is checkpoint.init_from's
+        raise ConfigError(str(e).replace("data.tokenizer", "checkpoint.init_from", 1)) from None
+    theirs = f"the tokenizer of checkpoint.init_from={src} ({carried})"
+    if not d.blend:
+        if d.tokenizer is None:
+            raise ConfigError(f"data.tokenizer: unset, so a byte-level BPE would be trained on the corpus, but {theirs} "
+                              f"gave the weights their ids: set data.tokenizer={carried}")
+        data_tok, _ = load_tokenizer(d.tokenizer)
+        diff = vocab_difference(data_tok, model_tok)
+        if diff:
+            raise ConfigError(f"data.tokenizer: {d.tokenizer} is not {theirs}: {diff}; leave data.tokenizer unset to "
+                              "train with that one, or start from weights trained with yours")
+        return
+    for key in ("blend", "val_blend"):
+        for i, s in enumerate(getattr(d, key)):
+            own = Path(s.path).expanduser() / "tokenizer"
+            if not own.is_dir():
+                continue
+            data_tok, _ = load_tokenizer(str(own))
+            diff = vocab_difference(data_tok, model_tok)
+            if diff:
+                raise ConfigError(f"data.{key}[{i}]: {s.path} was tokenized with {own}, which is not {theirs}: {diff}; "
+                                  f"prepare it again with python -m tools.prepare_data --tokenizer {carried}")
 
 
 def _overlap_note(p, pipe) -> str:
@@ -129,16 +176,18 @@ def _overlap_note(p, pipe) -> str:
 
 def startup_lines(trainer) -> list[str]:
     """What a cluster log needs first: run dir and resolved config, layout, parameter counts, data. Rank 0
-    also writes the resolved config and the tokenizer into the run dir (they travel with it)."""
+    also writes the resolved config and the tokenizer (``<run dir>/tokenizer/``) into the run dir (they travel
+    with it)."""
     from models.params import count_params
     c, d, p, run_dir = trainer.cfg, trainer.dims, trainer.cfg.parallel, trainer.run_dir
     if d.is_main:
         with run_dir_writing(run_dir / "config.yaml", "the resolved config"):
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(c)))
-        tokenizer = tokenizer_json(c, trainer.corpus)
-        if tokenizer:
-            with run_dir_writing(run_dir / "tokenizer.json", "the tokenizer"):
-                (run_dir / "tokenizer.json").write_text(tokenizer)
+        if trainer.tokenizer_files:
+            with run_dir_writing(run_dir / "tokenizer", "the tokenizer"):
+                (run_dir / "tokenizer").mkdir(exist_ok=True)
+                for name, data in trainer.tokenizer_files.items():
+                    (run_dir / "tokenizer" / name).write_bytes(data)
     n = count_params(models.build(c.model, device="meta"))
     lines = [f"run dir {run_dir} (resolved config: {run_dir / 'config.yaml'})",
              f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "

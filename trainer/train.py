@@ -9,7 +9,7 @@ import torch
 
 from checkpoint import CheckpointManager
 from configs.schema import Config
-from data import BlendedBatches, batch_size_at, use_offline_hub
+from data import BlendedBatches, batch_size_at, tokenizer_files, use_offline_hub
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
@@ -24,7 +24,8 @@ from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failu
 from .lr_schedule import lr_multiplier
 from .metrics import rank_memory, run_dir_writing
 from .owner import Owner
-from .startup import barrier, build_model, load_corpus_rank0_first, open_data, open_logger, preflight_all_ranks
+from .startup import (barrier, build_model, check_init_tokenizer, load_corpus_rank0_first, open_data, open_logger,
+                      preflight_all_ranks, run_tokenizer)
 from .timers import StepTimers
 
 
@@ -77,7 +78,12 @@ class Trainer:
         # Before anything big is built: the estimate vs free memory (trainer/memory_plan.py).
         self.memory_note = preflight_all_ranks(cfg, self.dims, self.device) if t.memory_check else ""
         self.step, self.tokens = 0, 0   # the LR and batch-size schedules read both
+        if cfg.checkpoint.init_from is not None and self._resume_path is None:
+            check_init_tokenizer(cfg)   # before the corpus is tokenized: the data's ids mean the weights' tokens
         self.corpus = None if cfg.data.blend else load_corpus_rank0_first(cfg, self.dims)
+        # The tokenizer's files (bos / eos / pad, special tokens, chat template): in the run dir and every checkpoint
+        self.tokenizer_files = tokenizer_files(tok) if self.dims.is_main and (tok := run_tokenizer(cfg, self.corpus)) \
+            else {}
         self.beat()
         # Every rank builds the full single-device model from the same seed, then keeps its expert shard. Starting
         # from HF weights, it builds on meta instead and materialises only what it keeps (its stages, its experts'
