@@ -180,3 +180,24 @@ def test_the_checks_can_fail():
                                                           "from tools.x import _y\n")) == ["tools._probe imports data.corpus._sha"]
     finally:
         del SOURCES["models._probe"], SOURCES["parallel._probe"]
+
+
+PRODUCT = ("models", "kernels", "errors", "parallel", "configs", "data", "checkpoint", "trainer", "tools")
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_product_function_is_longer_than_60_lines():
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for name, (path, tree) in SOURCES.items() if name.split(".")[0] in PRODUCT
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
+
+
+def test_no_issue_numbers_or_dates_in_product_code():
+    """Code says what is, not when or for which ticket: dated runs live in docs/log/."""
+    import re
+    pattern = re.compile(r"issue #|\b20[23]\d-(0[1-9]|1[0-2])\b")       # "issue #12", "2026-11", "2026-11-26"
+    hits = [f"{path.relative_to(ROOT)}:{i}" for name, (path, _) in SOURCES.items() if name.split(".")[0] in PRODUCT
+            for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []

@@ -102,7 +102,8 @@ H100 = Hardware(sources=(
     "attention 300 TFLOP/s: an assumption (no attention kernel was timed); FlashAttention-2-class kernels reach "
     "~35 % of the BF16 peak at head dims 96/64",
     "bandwidth 2.7 TB/s: a device-to-device copy in the suite, 2,637-2,938 GB/s (read + write)",
-    "launch 6.7 us: ../shared/gpu/2026-11-26-h100/profile_v3small_4layers_bf16.txt, (wall 141.3 ms - GPU kernel "
+    "launch 6.7 us: the first H100 run's profile of the 4-layer v3_small step (../shared/gpu/, "
+    "profile_v3small_4layers_bf16.txt), (wall 141.3 ms - GPU kernel "
     "time 126.6 ms) / 2,191 launches",
 ))
 

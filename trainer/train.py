@@ -63,15 +63,7 @@ class Trainer:
         self.precision = Precision(t.precision)
         self.autocast = torch.autocast(self.device.type, dtype=self.precision.autocast or torch.bfloat16,
                                        enabled=self.precision.autocast is not None)
-        # Before anything slow: an unwritable checkpoint.dir fails now (one line), not at the first save.
-        self.ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                      is_writer=self.dims.is_main, background=cfg.checkpoint.async_save,
-                                      timeout_s=cfg.parallel.timeout_s)
-        if cfg.checkpoint.every or cfg.checkpoint.save_final:
-            self.ckpt.check_writable()
-            if not self.ckpt.root.resolve().is_relative_to(self.run_dir.resolve()):
-                self.owners.append(Owner(self.ckpt.root, "checkpoint.dir"))
-                self.owners[-1].acquire(self.dims)
+        self.ckpt = self._open_checkpoints(cfg)
         self._resume_path = self.ckpt.resolve(cfg.checkpoint.resume)   # verified; damaged ones skipped (auto) or refused
         # Keys that cannot change within a run (the model, the seed, the token stream) refused now, the others listed
         self.config_changes = run_state.config_changes(cfg, self._resume_path) if self._resume_path else None
@@ -119,6 +111,19 @@ class Trainer:
         self._saved_step, self._saved_path = None, None
         self._busy_s, self._rank_busy, self._comm_s = 0.0, None, 0.0   # this rank's compute seconds of the last step; every rank's
         self._slow = (None, 0)   # (rank, steps in a row) over logging.straggler_threshold
+
+    def _open_checkpoints(self, cfg: Config) -> CheckpointManager:
+        """The run's ``CheckpointManager``. Before anything slow: an unwritable ``checkpoint.dir`` fails now (one
+        line), not at the first save; one outside the run dir is owned like the run dir."""
+        ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                 is_writer=self.dims.is_main, background=cfg.checkpoint.async_save,
+                                 timeout_s=cfg.parallel.timeout_s)
+        if cfg.checkpoint.every or cfg.checkpoint.save_final:
+            ckpt.check_writable()
+            if not ckpt.root.resolve().is_relative_to(self.run_dir.resolve()):
+                self.owners.append(Owner(ckpt.root, "checkpoint.dir"))
+                self.owners[-1].acquire(self.dims)
+        return ckpt
 
     def beat(self) -> None:
         """The heartbeat of this run's directory locks (trainer/owner.py)."""
