@@ -68,3 +68,50 @@ def grads_with_reference(model, ref_model, dims):
             n = p.shape[0]
             g_ref = g_ref[dims.ep_rank * n:(dims.ep_rank + 1) * n]
         yield name, p.grad, g_ref
+
+
+def _run_module(module: str, argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+    """In a forkserver child: ``python -m module *argv`` with stdout / stderr into the files ``out`` / ``err``."""
+    import atexit
+    import runpy
+    import sys
+    import traceback
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.argv = [module, *argv]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr) or 1)
+    except BaseException:   # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_module(module: str, argv: list[str], env: dict, cwd, timeout: float):
+    """``subprocess.run([python, "-m", module, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout)``, forked from the forkserver (``_run_module``) instead of started afresh."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        proc = mp.get_context("forkserver").Process(target=_run_module, args=(module, argv, env, str(cwd), out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired([module, *argv], timeout)
+        read = lambda path: open(path, errors="replace").read() if os.path.exists(path) else ""   # noqa: E731
+        return subprocess.CompletedProcess(["python", "-m", module, *argv], proc.exitcode, read(out), read(err))

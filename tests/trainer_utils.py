@@ -10,6 +10,8 @@ from hydra import compose, initialize_config_module
 from configs.init_from import apply_init_from
 from configs.schema import register, to_object, validate
 
+from . import dist_utils
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,10 +38,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m trainer *args`` in the repository root: its exit code, stdout and stderr. The process is forked
+    from the tests' forkserver (``dist_utils``: torch and the trainer imported once) instead of a fresh
+    interpreter, which spends seconds importing them; it then runs exactly what ``python -m trainer`` runs
+    (``runpy``, ``__main__``, the given environment, atexit handlers at the end)."""
     # One intra-op thread: tests run in parallel on 2 cores, and oversubscribed OpenMP threads stall badly.
     full_env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    return dist_utils.run_module("trainer", list(args), full_env, ROOT, timeout)
 
 
 def run_torchrun(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5) -> list[dict]:
