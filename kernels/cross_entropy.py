@@ -82,6 +82,7 @@ class _CrossEntropy(torch.autograd.Function):
         N, V = logits_NV.shape
         assert labels_N.shape == (N,), (labels_N.shape, N)
         logits_NV = logits_NV if logits_NV.stride(-1) == 1 else logits_NV.contiguous()
+        labels_N = labels_N.contiguous()                            # the kernels read label n at labels_ptr + n
         block = block_v or _block(V)
         loss_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
         lse_N = torch.empty_like(loss_N)

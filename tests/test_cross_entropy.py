@@ -57,6 +57,18 @@ def test_matches_f_cross_entropy(dtype, N, V, block):
     assert float((dgot.float() - dwant.float()).norm() / dwant.float().norm()) < 1e-3
 
 
+def test_strided_logits_and_labels():
+    """A logits view with a row stride wider than V and labels taken every other element (the kernels read rows at
+    their stride and make the labels contiguous)."""
+    wide, labels2 = problem(12, 640, torch.float32, seed=2)
+    logits, labels = wide[:, :600], torch.stack([labels2.clamp_max(599)] * 2, 1)[:, 0]
+    assert logits.stride(0) == 640 and labels.stride(0) == 2
+    want, dwant = loss_and_grad(ce.reference_cross_entropy, logits, labels)
+    got, dgot = loss_and_grad(lambda x, y: ce.triton_cross_entropy(x, y, block_v=256), logits, labels)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    torch.testing.assert_close(dgot, dwant, rtol=1e-5, atol=1e-6)
+
+
 def test_large_logits_and_every_label_ignored():
     logits, labels = problem(8, 700, torch.float32, ignore_every=0)
     logits = logits * 1e3                        # exp overflows without the running max
