@@ -201,3 +201,43 @@ def test_versus_reference_sums_to_the_step_difference():
     text = versus(a, b)
     assert f"{100 * (a.tokens_per_s_gpu / b.tokens_per_s_gpu - 1):+.1f}% tokens/s/GPU" in text
     assert "bubble" in text and f"{b.memory_gb:.3g} GB" in text
+
+
+def _sampled_nodes_hit(m, nodes: int, tokens: int = 20000, seed: int = 0) -> float:
+    """Balanced node-limited routing sampled: M of G groups uniformly, K experts uniformly among theirs; experts
+    laid out in order (group g holds experts [g E/G, (g+1) E/G), node n [n E/nodes, (n+1) E/nodes))."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, G, M = m.n_routed_experts, m.n_activated_experts, m.n_expert_groups, m.n_limited_groups
+    per_group = E // G
+    groups = torch.rand(tokens, G, generator=g).argsort(-1)[:, :M]
+    pool = (groups.unsqueeze(-1) * per_group + torch.arange(per_group)).flatten(1)
+    experts = pool.gather(1, torch.rand(tokens, M * per_group, generator=g).argsort(-1)[:, :K])
+    node = experts // (E // nodes)
+    return float(torch.stack([torch.unique(r).numel() * torch.ones(()) for r in node]).mean())
+
+
+@pytest.mark.parametrize("G,M,nodes", [(4, 2, 4), (8, 4, 4), (8, 3, 2), (2, 1, 4), (4, 2, 8), (8, 4, 8)])
+def test_nodes_hit_matches_sampled_routing_for_any_group_to_node_mapping(G, M, nodes):
+    """One group per node, several per node, a group over several nodes: the planner's expected nodes per token
+    (``plan_costs.nodes_hit``) vs sampled balanced routing, and never above the trainer's bound (routing_reach)."""
+    from parallel.dims import routing_reach
+    from tools.plan_costs import nodes_hit
+    m = ModelConfig(dim=64, n_routed_experts=64, n_activated_experts=6, n_expert_groups=G, n_limited_groups=M)
+    want = _sampled_nodes_hit(m, nodes)
+    assert nodes_hit(m, nodes) == pytest.approx(want, rel=0.02)
+    assert nodes_hit(m, nodes) <= routing_reach(m, ep=nodes, ranks_per_node=1)[1]
+    if G == nodes:        # one group per node: the closed form of the module doc
+        assert nodes_hit(m, nodes) == pytest.approx(expected_distinct(M, 64 // G, 6))
+
+
+def test_search_plans_the_model_as_it_is():
+    """The candidates keep the model's routing groups and skip EP layouts the trainer refuses for them."""
+    from tools.plan import candidates
+    cfg = compose(["model=v3_671b", "data.seq_len=4096"])
+    cands = candidates(cfg, 1024, 8)
+    assert cands and not any(o.startswith("model.") for c in cands for o in c)
+    eps = {int(o.split("=")[1]) for c in cands for o in c if o.startswith("parallel.ep=")}
+    assert eps == {8, 16, 32, 64, 128, 256}                # 1..32 nodes: each divides 8 groups or is divided by 8
+    cfg.model.n_expert_groups, cfg.model.n_limited_groups = 3, 2
+    eps = {int(o.split("=")[1]) for c in candidates(cfg, 1024, 8) for o in c if o.startswith("parallel.ep=")}
+    assert eps == {8}                                       # 1 node; 2, 4, ... nodes and 3 groups: neither divides

@@ -203,7 +203,8 @@ class Candidate:
 
 
 def candidates(cfg, world_size: int, rpn: int) -> list[list[str]]:
-    """Layouts to try: pp x schedule x ep x micro-batch size (routing groups follow EP nodes), ZeRO-1. Every
+    """Layouts to try: pp x schedule x ep x micro-batch size, ZeRO-1, for the model as it is (its routing groups
+    are part of it: an EP layout whose node count neither divides nor is divided by them is skipped). Every
     candidate has a pipeline, and under a pipeline ZeRO-2 keeps full gradients as ZeRO-1 does (docs/zero.md):
     the same step and memory, so it is not tried."""
     m, out = cfg.model, []
@@ -214,12 +215,12 @@ def candidates(cfg, world_size: int, rpn: int) -> list[list[str]]:
             for ep in (8, 16, 32, 64, 128, 256):
                 if (world_size // pp) % ep or m.n_routed_experts % ep:
                     continue
-                nodes = max(1, ep // rpn)
+                nodes, G = max(1, ep // rpn), m.n_expert_groups
+                if G % nodes and nodes % G:
+                    continue
                 for mbs in (1, 2):
                     out.append([f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.ep={ep}",
-                                f"parallel.ranks_per_node={rpn}", "parallel.zero=1",
-                                f"train.micro_batch_size={mbs}", f"model.n_expert_groups={nodes}",
-                                f"model.n_limited_groups={min(m.n_limited_groups, nodes)}"])
+                                f"parallel.ranks_per_node={rpn}", "parallel.zero=1", f"train.micro_batch_size={mbs}"])
     return out
 
 

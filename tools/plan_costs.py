@@ -13,9 +13,10 @@ Cost model for one micro-batch of T = micro_batch_size x seq_len tokens on stage
   time = FLOPs / (peak x efficiency x (1 - reserved_sms / sms)) per kind (profile), SMs reserved for
       the all-to-all only when the layout has EP communication.
 Expert all-to-all per MoE layer and micro-batch (``ep_traffic``): under balanced node-limited routing a
-token's K experts are uniform among the experts of its M chosen groups (groups = EP nodes), so the
-expected number of distinct nodes it reaches is M (1 - C(n_M - n_g, K) / C(n_M, K)), n_M = experts of M
-groups, n_g = of one; of them a fraction (G - 1) / G are remote (over the inter-node link, once per node,
+token's K experts are uniform among the experts of its M chosen groups (``nodes_hit``; with one group per EP
+node the expected number of distinct nodes it reaches is M (1 - C(n_M - n_g, K) / C(n_M, K)), n_M = experts
+of M groups, n_g = of one; several groups per node or a group over several nodes map the groups hit onto
+nodes); of them a fraction (N - 1) / N of the N EP nodes are remote (over the inter-node link, once per node,
 as DeepEP does), and inside a node it fans out over NVLink to the distinct GPUs hosting its experts.
 Dispatch carries D bytes + fp32 scales per 128 (FP8) or 2D bytes (BF16); combine 2D bytes (BF16).
 Backward sends the same volumes in BF16 (gradients). Time = max(inter-node bytes / ib, intra-node
@@ -133,6 +134,21 @@ def expected_distinct(n_bins: int, per_bin: int, k: int) -> float:
     return n_bins * (1 - math.comb(n - per_bin, k) / math.comb(n, k))
 
 
+def nodes_hit(m, nodes: int) -> float:
+    """Expected distinct EP nodes one token's K experts live on, under balanced node-limited routing: M of the
+    G groups chosen uniformly, then K experts uniformly among theirs (module doc). G = nodes: the K experts
+    among M nodes. G > nodes (G / nodes groups per node): the groups hit, then the nodes holding them. G <
+    nodes (a group over nodes / G nodes): the K experts among the M groups' M * nodes / G nodes."""
+    E, K, G = m.n_routed_experts, m.n_activated_experts, m.n_expert_groups
+    M = min(m.n_limited_groups, G)
+    if G <= nodes:
+        return expected_distinct(M * (nodes // G), E // nodes, K)
+    groups = expected_distinct(M, E // G, K)                 # distinct groups hit
+    lo = math.floor(groups)                                  # groups drawn uniformly: nodes among G // nodes each
+    at = lambda h: expected_distinct(nodes, G // nodes, h) if h else 0.0   # noqa: E731
+    return at(lo) + (groups - lo) * (at(lo + 1) - at(lo)) if lo < G else float(nodes)
+
+
 @dataclass
 class EPTraffic:
     nodes_per_token: float      # distinct EP nodes a token's experts live on (its own included)
@@ -150,9 +166,9 @@ def ep_traffic(m, ep: int, ranks_per_node: int, tokens: int, fp8_dispatch: bool)
         return EPTraffic(1.0, 0.0, 0.0, {"fwd": 0.0, "bwd": 0.0}, {"fwd": 0.0, "bwd": 0.0}, 0)
     rpn = min(ep, ranks_per_node)
     nodes = ep // rpn
-    E, K, M = m.n_routed_experts, m.n_activated_experts, min(m.n_limited_groups, nodes)
+    E, K = m.n_routed_experts, m.n_activated_experts
     per_node = E // nodes
-    hit_nodes = expected_distinct(M, per_node, K)           # among the M chosen nodes
+    hit_nodes = nodes_hit(m, nodes)
     remote = hit_nodes * (nodes - 1) / nodes                # the token's own node is one of the G, uniformly
     per_gpu = E // ep
     k_node = K / hit_nodes                                  # experts per reached node, on average
