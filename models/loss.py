@@ -19,9 +19,10 @@ plain path's forward + backward (``tests/test_linear_ce.py`` compares loss and g
 ``F.cross_entropy``.
 
 It saves memory, not time, in eager torch: its elementwise passes over each block (FP32 copy, max, exp, sum;
-then exp, scale, cast) move more bytes than ATen's fused log-softmax kernels. ``python -m tools.roofline
-+exp=v3_small`` predicts 200.6 ms per H100 step with the plain head and 233.2 ms with this one; so ``plain`` is
-the default, and ``chunked`` is for a batch whose FP32 logits do not fit.
+then exp, scale, cast) move more bytes than a fused cross-entropy kernel. On an H100 the 4-layer v3_small step
+took 168.7 ms with it, 118.1 ms with the plain head and 88.0 ms with ``fused`` (the default:
+``parallel/head_loss.py``, which keeps the logits in BF16); ``chunked`` is for a batch whose logits do not fit
+even so.
 
 Shape legend: N tokens, D hidden, V vocabulary, U words of a block.
 """
