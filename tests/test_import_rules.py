@@ -197,7 +197,7 @@ def test_no_product_function_is_longer_than_60_lines():
 def test_no_issue_numbers_or_dates_in_product_code():
     """Code says what is, not when or for which ticket: dated runs live in docs/log/."""
     import re
-    pattern = re.compile(r"issue #|\b20[23]\d-(0[1-9]|1[0-2])\b")       # "issue #12", "2026-11", "2026-11-26"
+    pattern = re.compile(r"issue #|\b20[23]\d-(0[1-9]|1[0-2])\b")       # an issue reference, a year-month, a date
     hits = [f"{path.relative_to(ROOT)}:{i}" for name, (path, _) in SOURCES.items() if name.split(".")[0] in PRODUCT
             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
