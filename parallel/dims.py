@@ -63,11 +63,17 @@ def _check_model(m: ModelConfig, ep: int, ranks_per_node: int) -> None:
     if m.n_routed_experts % ep:
         raise ConfigError(f"model.n_routed_experts ({m.n_routed_experts}) must be divisible by parallel.ep ({ep})")
     G = m.n_expert_groups
-    if G % nodes and nodes % G:
+    if not groups_fit_nodes(G, nodes):
         raise ConfigError(
             f"model.n_expert_groups ({G}) and the EP group's nodes ({nodes} = parallel.ep {ep} / "
             f"parallel.ranks_per_node {per_node}): one must divide the other, so that a node holds whole routing "
             "groups or a group spans whole nodes; choose parallel.ep (or ranks_per_node) to match")
+
+
+def groups_fit_nodes(groups: int, nodes: int) -> bool:
+    """Whether ``groups`` routing groups lie on ``nodes`` EP nodes: a node holds whole groups, or a group spans
+    whole nodes (one divides the other)."""
+    return groups % nodes == 0 or nodes % groups == 0
 
 
 def routing_reach(m: ModelConfig, ep: int, ranks_per_node: int) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from configs.schema import compose
 from data import micro_batches
 from models.moe import GroupedExperts
 from models.params import flops_per_token
+from parallel.dims import groups_fit_nodes
 from parallel.pipeline.replicas import holders
 from parallel.pipeline.schedules import SCHEDULES, Kind, get_schedule
 from parallel.pipeline.simulator import Costs, Simulation, simulate
@@ -215,8 +216,7 @@ def candidates(cfg, world_size: int, rpn: int) -> list[list[str]]:
             for ep in (8, 16, 32, 64, 128, 256):
                 if (world_size // pp) % ep or m.n_routed_experts % ep:
                     continue
-                nodes, G = max(1, ep // rpn), m.n_expert_groups
-                if G % nodes and nodes % G:
+                if not groups_fit_nodes(m.n_expert_groups, max(1, ep // rpn)):
                     continue
                 for mbs in (1, 2):
                     out.append([f"parallel.pp={pp}", f"parallel.schedule={schedule}", f"parallel.ep={ep}",
