@@ -21,6 +21,8 @@ from kernels import gemm as tgemm  # noqa: E402
 from kernels import grouped_gemm as tgrouped  # noqa: E402
 from kernels import quant as tquant  # noqa: E402
 
+from .fp8_utils import assert_gemm_close  # noqa: E402
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = ref.FP8_DTYPE
 ON_GPU = DEV == "cuda"
@@ -177,12 +179,6 @@ def test_all_zero_tiles_have_a_positive_finite_scale():
 # -------------------------------------------------------------------------------------------------- GEMMs
 def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
-
-
-def assert_gemm_close(out, want):
-    assert out.shape == want.shape
-    atol = 1e-3 * want.abs().max().item() if want.numel() else 0.0
-    torch.testing.assert_close(out.float(), want.float(), rtol=1e-3, atol=atol)
 
 
 # (M, N, K), none a multiple of 128. "odd": K and N not multiples of 16, so Fprop and Dgrad cannot use TMA;
