@@ -374,7 +374,7 @@ def part_step(ctx: Ctx, part: Part) -> None:
     part.notes.append(f"Model: preset `{'tiny' if ctx.smoke else 'v3_small'}` with n_layers={cfg.n_layers} "
                       f"(first_k_dense={cfg.first_k_dense}, mtp_depth={cfg.mtp_depth}, {cfg.n_routed_experts} routed "
                       f"experts, top-{cfg.n_activated_experts}); random tokens; forward+backward+AdamW+clip+bias update, "
-                      f"BF16 autocast (fp8: `apply_fp8`, Triton kernels); {iters} timed steps after 2 warm-up steps."
+                      f"norms and SwiGLU compiled (`train.compile=auto`), BF16 autocast (fp8: `apply_fp8`, Triton kernels); {iters} timed steps after 2 warm-up steps."
                       + (f" FLOPs/token {first['flops_per_token'] / 1e9:.2f} G (models.params.flops_per_token)."
                          if first else ""))
     part.headline = (f"fp8/bf16 step speed-up {speed:.2f}x; MFU " + ", ".join(f"{p} {r['mfu']:.1%}" for p, r in res.items())

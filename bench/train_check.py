@@ -190,10 +190,11 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
-                 seed: int = 0, profile: bool = False, head_loss: str = "plain") -> dict:
+                 seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto") -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
-    last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``)."""
+    last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``), ``compile`` ``train.compile``
+    (``parallel.compile``)."""
     import torch
 
     import models
@@ -212,6 +213,9 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
         apply_fp8(model)
     elif precision != "bf16":
         raise ValueError(f"precision {precision!r}: bf16 or fp8")
+    from parallel.compile import apply_compile, enabled
+    if enabled(compile, dev):
+        apply_compile(model)
     model.train()
     opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1), weights=Precision(precision).weights)   # as the trainer
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
@@ -237,8 +241,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     tps = tokens / step_s
     peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     del model, opt, ids, inputs, labels
-    return {"precision": precision, "head_loss": head_loss, "batch": batch, "seq": seq, "tokens": tokens, "step_s": step_s,
-            "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
+    return {"precision": precision, "head_loss": head_loss, "compile": compile, "batch": batch, "seq": seq,
+            "tokens": tokens, "step_s": step_s, "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
             "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
 
 

@@ -42,6 +42,11 @@ def head_losses() -> tuple[str, ...]:                # train.head_loss
     return HEAD_LOSSES
 
 
+def compile_modes() -> tuple[str, ...]:             # train.compile
+    from parallel.compile import MODES
+    return MODES
+
+
 def dispatchers() -> tuple[str, ...]:                # parallel.ep_dispatcher
     from parallel.ep.apply import DISPATCHERS
     return tuple(DISPATCHERS)
@@ -150,6 +155,7 @@ def _check_train(t: TrainConfig) -> None:
     _one_of("train.precision", t.precision, precisions())
     _one_of("train.recompute", t.recompute, recompute_modes())
     _one_of("train.head_loss", t.head_loss, head_losses())
+    _one_of("train.compile", t.compile, compile_modes())
     _one_of("train.device", t.device, DEVICES)
     if t.device == "cuda":
         import torch

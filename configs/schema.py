@@ -122,6 +122,9 @@ class TrainConfig:
     # The output heads' cross-entropy: plain (head(x), then F.cross_entropy in FP32) | chunked (models/loss.py: no N x V
     # FP32 tensor kept or made, for a batch whose FP32 logits do not fit; more elementwise passes, so slower in eager)
     head_loss: str = "fused"
+    # Regional torch.compile of the norms and SwiGLU products (parallel/compile.py): auto (on CUDA; the CPU stays eager)
+    # | on | off
+    compile: str = "auto"
     device: str = "auto"              # auto (cuda if available) | cpu | cuda
     eval_every: int = 50              # validation every N steps (and before the first / after the last); 0 = only those
     eval_batches: int = 4             # validation batches of micro_batch_size sequences

@@ -16,6 +16,19 @@ from torch import nn
 from .config import ModelConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)``, the statistics in FP32, normalised back in ``x``'s dtype before the scale."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def swiglu(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+    """The gated activation ``silu(h1) * h3``."""
+    return F.silu(h1) * h3
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -23,10 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -36,7 +46,7 @@ class SwiGLU(nn.Module):
     """The gated activation ``silu(h1) * h3`` (no parameters)."""
 
     def forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
-        return F.silu(h1) * h3
+        return swiglu(h1, h3)
 
 
 class MLP(nn.Module):

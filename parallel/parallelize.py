@@ -7,7 +7,8 @@ in the one order they must run. The model's forward is written once (``models/``
 3. with ``dims.pp > 1``, ``PipelineRunner.from_model``: deferred weight gradients for zero-bubble schedules
    (``wgrad_queue``; the stages hold the modules it replaces, so before them), then this rank's stages, the rest
    pruned;
-4. ``apply_recompute`` last: it swaps classes in place, and a module replaced after it (the routed experts by
+4. ``apply_compile`` (``train.compile``; ``parallel/compile.py``): the norms and SwiGLU products as compiled regions;
+5. ``apply_recompute`` last: it swaps classes in place, and a module replaced after it (the routed experts by
    the FP8 or deferred ones) would silently not recompute.
 The F&B overlap is decided here (``fb_overlap``), once.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compile import apply_compile, enabled
 from .dims import ParallelDims
 from .ep import apply_ep
 from .head_loss import apply_head_loss
@@ -38,6 +40,7 @@ class ParallelSpec:
     overlap: bool = True                    # parallel.overlap
     recompute: str = "none"                 # train.recompute
     head_loss: str = "fused"                # train.head_loss
+    compile: str = "auto"                   # train.compile
 
 
 def fb_overlap(overlap: bool, ep: int) -> bool:
@@ -60,6 +63,8 @@ def parallelize(model, spec: ParallelSpec, dims: ParallelDims, device: torch.dev
         layout = list(spec.pp_layout) if spec.pp_layout is not None else None
         pipe = PipelineRunner.from_model(model, dims, spec.schedule, spec.n_microbatches, layout, device,
                                          fb_overlap(spec.overlap, dims.ep), spec.precision.weight_dtype)
+    if enabled(spec.compile, device):
+        apply_compile(model)
     apply_recompute(model, spec.recompute)
     model.train()
     return model, pipe

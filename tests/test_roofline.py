@@ -87,7 +87,8 @@ MEASURED_PHASES_12 = {"forward": 78.0, "backward": 108.5, "optimizer+other": 81.
 @pytest.mark.parametrize("layers", [4, 12])
 def test_v3_small_step_reproduces_the_measured_h100_step(layers):
     """The step as it was measured (AdamW's foreach path; the trainer runs it fused on CUDA since)."""
-    rec, _ = record_step(compose(["+exp=v3_small", "train.head_loss=plain"]), layers, fused_adamw=False)
+    rec, _ = record_step(compose(["+exp=v3_small", "train.head_loss=plain", "train.compile=off"]), layers,
+                         fused_adamw=False)
     phase = {k: s.seconds * 1e3 for k, s in totals(rec, "phase").items()}
     step = sum(phase.values())
     assert abs(step / MEASURED_MS[layers] - 1) < 0.25, (step, phase)
@@ -106,12 +107,30 @@ MEASURED_HEAD_MS = {"plain": 118.1, "fused": 88.0, "chunked": 168.7}
 
 @pytest.mark.parametrize("head_loss", sorted(MEASURED_HEAD_MS))
 def test_each_head_loss_reproduces_its_measured_step(head_loss):
-    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}"]), 4)
+    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off"]), 4)
     step = sum(s.seconds for s in totals(rec, "phase").values()) * 1e3
     assert abs(step / MEASURED_HEAD_MS[head_loss] - 1) < 0.25, (head_loss, step)
     loss_ops = totals(rec, "op")
     fused = [k for k in loss_ops if k.startswith("cross-entropy")]
     assert bool(fused and sum(loss_ops[k].calls for k in fused) == 4) == (head_loss == "fused"), fused  # 2 heads, fwd+bwd
+
+
+def test_compiled_regions_are_one_kernel_each_way():
+    """``train.compile`` (on CUDA by default): each norm and SwiGLU product records one fused kernel forward and one
+    backward (plus a reduction for a norm's weight), reading its inputs and writing its output once; the eager
+    chains' elementwise bytes go, and nothing else changes."""
+    eager, _ = record_step(compose(["+exp=tiny", "train.precision=bf16", "train.compile=off"]))
+    comp, mcfg = record_step(compose(["+exp=tiny", "train.precision=bf16"]))
+    ops = totals(comp, "op")
+    norms = 4 * mcfg.n_layers + 1 + 7 * mcfg.mtp_depth   # attn/ffn/q/kv per block, final; MTP: its block's 4 + 3
+    swiglus = mcfg.first_k_dense + 2 * (mcfg.n_layers - mcfg.first_k_dense) + 2 * mcfg.mtp_depth
+    assert ops["compiled region forward"].calls == norms + swiglus
+    assert ops["compiled region backward"].calls == 2 * norms + swiglus
+    assert "compiled region forward" not in totals(eager, "op")
+    for key in ("gemm", "grouped gemm", "attention"):
+        assert totals(comp, "class")[key].flops == totals(eager, "class")[key].flops, key
+    assert totals(comp, "class")["elementwise / other"].bytes < 0.7 * totals(eager, "class")["elementwise / other"].bytes
+    assert sum(s.seconds for s in totals(comp, "phase").values()) < sum(s.seconds for s in totals(eager, "phase").values())
 
 
 def test_fused_adamw_reads_and_writes_each_tensor_once():

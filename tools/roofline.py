@@ -76,6 +76,8 @@ def op_class(name: str) -> str:
         return "attention"
     if name in ("aten._to_copy", "aten.copy_", "aten.clone"):
         return "copy / cast"
+    if name.startswith("compiled region"):
+        return "compiled elementwise"
     if name.startswith("aten._foreach") or name.startswith("aten._fused_adam"):
         return "optimizer (foreach)"
     if "softmax" in name or "nll_loss" in name or name.startswith("cross-entropy"):
@@ -90,7 +92,8 @@ class Hardware:
     peak_bf16: float = 989e12
     rates: dict = field(default_factory=lambda: {"gemm": 700e12, "grouped gemm": 600e12, "attention": 300e12})
     bandwidth: dict = field(default_factory=lambda: {"copy / cast": 2.7e12, "optimizer (foreach)": 2.7e12,
-                                                      "softmax / loss": 2.7e12, "elementwise / other": 2.7e12})
+                                                      "softmax / loss": 2.7e12, "elementwise / other": 2.7e12,
+                                                      "compiled elementwise": 2.7e12})
     launch_s: float = 6.7e-6
     sources: tuple = ()
 
@@ -302,7 +305,56 @@ def fused_cross_entropy(recorder: Recorder):
         head_loss.cross_entropy = original
 
 
-FUSED = ("attention", "cross-entropy")   # ops that record themselves
+class _CompiledRegion(torch.autograd.Function):
+    """A ``parallel/compile.py`` region as inductor runs it: one generated kernel forward (reads the inputs,
+    writes the output), one backward (reads the inputs and the output's gradient, writes the inputs' gradients)
+    plus one reduction per gradient of another shape than the output (a norm's weight). Its aten ops run
+    unrecorded: the region's cost is its memory traffic, not the sum of its eager ops."""
+
+    @staticmethod
+    def forward(ctx, fn, recorder, *inputs):
+        ctx.fn, ctx.recorder = fn, recorder
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
+        ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+        out = fn(*inputs)
+        recorder.record("compiled region forward", None, [t for t in inputs if isinstance(t, torch.Tensor)], {}, out, 0.0)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved).detach().requires_grad_(True) if o is None else o for o in ctx.others]
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        with torch.enable_grad(), _paused(ctx.recorder):
+            grads = torch.autograd.grad(ctx.fn(*inputs), tensors, dout)
+        ctx.recorder.record("compiled region backward", None, (*tensors, dout), {}, grads, 0.0)
+        for g in grads:
+            if g.shape != dout.shape:
+                ctx.recorder.record("compiled region backward", None, (), {}, g, 0.0)
+        grads = iter(grads)
+        return (None, None, *[next(grads) if isinstance(t, torch.Tensor) else None for t in inputs])
+
+
+@contextlib.contextmanager
+def compiled_regions(recorder: Recorder):
+    """``parallel.compile.region`` replaced: each compiled region (``train.compile`` on CUDA) records itself
+    as the fused kernels it becomes (``_CompiledRegion``)."""
+    from parallel import compile as regional
+
+    def region(fn, backend):
+        def run(*inputs):
+            with _paused(recorder):
+                return _CompiledRegion.apply(fn, recorder, *inputs)
+        return run
+
+    original, regional.region = regional.region, region
+    try:
+        yield
+    finally:
+        regional.region = original
+
+
+FUSED = ("attention", "cross-entropy", "compiled region")   # ops that record themselves
 
 
 @contextlib.contextmanager
@@ -343,6 +395,8 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     from parallel.head_loss import apply_head_loss
     from parallel.precision import Precision
     from parallel.zero import build_optimizer
+    from parallel.compile import apply_compile
+    from parallel.compile import enabled as compile_enabled
     t = cfg.train
     precision = Precision(t.precision)
     rec = Recorder(hw)
@@ -352,13 +406,15 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
         if precision.fp8:
             from parallel.fp8 import apply_fp8
             apply_fp8(model, backend="emulation")
+        if compile_enabled(t.compile, "cuda"):
+            apply_compile(model)
         model.train()
         with as_on_cuda(fused_adamw):
             opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1), weights=precision.weights)
         ids = torch.randint(0, model.cfg.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1))
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
-        with rec, fused_attention(rec), fused_cross_entropy(rec), as_on_cuda():
+        with rec, fused_attention(rec), fused_cross_entropy(rec), compiled_regions(rec), as_on_cuda():
             for _ in range(micro_batches):
                 rec.phase = "forward"
                 with autocast:

@@ -60,7 +60,7 @@ def parallel_spec(cfg: Config, dims: ParallelDims) -> ParallelSpec:
     return ParallelSpec(Precision(t.precision), p.ep_dispatcher, p.fp8_dispatch, p.schedule,
                         micro_batches(batch_size_at(t, 0), t.micro_batch_size, dims.dp),
                         tuple(p.pp_layout) if p.pp_layout is not None else None, p.overlap, t.recompute,
-                        t.head_loss)
+                        t.head_loss, t.compile)
 
 
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, on_meta: bool):

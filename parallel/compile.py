@@ -1,0 +1,101 @@
+"""Regional ``torch.compile`` (``train.compile``): ``apply_compile(model, backend)`` runs the model's elementwise
+chains as generated kernels, the rest of the forward as written.
+
+Regions: every ``RMSNorm`` (``models.layers.rms_norm``) and every ``SwiGLU`` product (``models.layers.swiglu``:
+dense MLPs, shared and routed experts). In eager a norm is 8 kernels forward and about 12 backward, each a pass
+over the activations (FP32 copies included), a SwiGLU 3 and 5; compiled, each is one generated kernel forward
+and one or two backward. They are the largest share of the step's elementwise bytes (``python -m
+tools.roofline``). Regions are module calls, never a collective or a host sync, so compiling them cannot break
+a graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
+
+Modes (``MODES``): ``auto`` compiles on CUDA and leaves the CPU eager (inductor's CPU code is not faster for
+the tiny models run there, and its first compile costs seconds); ``on`` compiles on any device; ``off`` never.
+
+Mechanism: each chosen module's class is swapped for a subclass whose ``forward`` calls the compiled function
+with the module's own weight and eps (as ``parallel/recompute.py`` swaps classes: parameters, state-dict keys
+and numerics are unchanged). One compiled function per (region, backend), shared by every instance: dynamo
+keeps one graph per input shape and dtype, and marks a dimension dynamic once it has seen it change (the routed
+experts' row count changes every step), so a model compiles a handful of graphs, not one per layer. Apply it
+before ``apply_recompute``, which then recomputes the compiled region (the order lives in
+``parallel.parallelize``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
+
+log = logging.getLogger("parallel")
+
+MODES = ("auto", "on", "off")   # train.compile
+
+
+def enabled(mode: str, device: torch.device | str) -> bool:
+    """Whether ``train.compile=mode`` compiles on ``device``."""
+    if mode not in MODES:
+        raise ValueError(f"train.compile: {mode!r} is not one of {', '.join(MODES)}")
+    return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
+@functools.cache
+def region(fn: Callable, backend: str) -> Callable:
+    """``fn`` compiled for ``backend``, one per process (``tools.roofline`` replaces this to record a region as
+    the one fused kernel it becomes). If dynamo or the backend fails to compile it, one warning line names the
+    region and the error, and ``fn`` runs eagerly from then on: slower, never wrong."""
+    state = {"fn": torch.compile(fn, backend=backend, fullgraph=True)}
+
+    def run(*args):
+        try:
+            return state["fn"](*args)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if state["fn"] is fn:
+                raise
+            log.warning("train.compile: compiling %s with %s failed (%s: %s); it runs eagerly",
+                        fn.__name__, backend, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            state["fn"] = fn
+            return fn(*args)
+    return run
+
+
+def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return region(rms_norm, self.compile_backend)(x, self.weight, self.eps)
+
+
+def _swiglu_forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+    return region(swiglu, self.compile_backend)(h1, h3)
+
+
+FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
+    """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
+    its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, in place. Returns the compiled
+    modules' names. Idempotent."""
+    classes: dict[tuple[type, str], type] = {}
+    names = []
+    for name, m in model.named_modules():
+        base = next((c for c in FORWARDS if type(m) is c or getattr(type(m), "compiled_from", None) is c), None)
+        if base is None:
+            continue
+        key = (base, backend)
+        if key not in classes:
+            classes[key] = type(f"Compiled{base.__name__}", (base,), {
+                "forward": FORWARDS[base], "compiled_from": base, "compile_backend": backend, "__module__": __name__,
+                "__doc__": f"{base.__name__} run as one compiled region ({backend}; parallel/compile.py)."})
+        m.__class__ = classes[key]
+        names.append(name)
+    return names
+
+
+def compiled(model: nn.Module) -> list[str]:
+    """The names of ``model``'s compiled modules."""
+    return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None]
+
+
+__all__ = ["MODES", "apply_compile", "compiled", "enabled", "region"]

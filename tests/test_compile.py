@@ -1,0 +1,104 @@
+"""Regional ``torch.compile`` (``train.compile``, ``parallel/compile.py``): which devices compile, which modules
+become regions, and the same losses and gradients as eager (FP32, to rounding), alone and under selective
+recomputation. The CPU runs dynamo with the ``aot_eager`` backend (the traced forward and backward graphs,
+run by aten: seconds, not inductor's minutes of C++ compiles); the GPU suite runs inductor on CUDA."""
+import copy
+
+import pytest
+import torch
+
+import models
+from configs import model_preset
+from errors import ConfigError
+from models.layers import RMSNorm, SwiGLU
+from parallel.compile import MODES, apply_compile, compiled, enabled
+from parallel.recompute import apply_recompute, regions
+
+from .trainer_utils import make_config
+
+IDS = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
+
+
+def tiny():
+    return models.build(model_preset("tiny"), device="cpu", seed=0).train()
+
+
+def loss_and_grads(model):
+    out = model.compute_loss(IDS[:, :-1], IDS[:, 1:], mtp_weight=0.3, aux_alpha=1e-2)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(eager, comp, tol=1e-5):
+    (l0, g0), (l1, g1) = eager, comp
+    assert abs(l0.item() - l1.item()) <= tol * abs(l0.item()), (l0, l1)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        err = ((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)).item()
+        assert err < tol, (n, err)
+
+
+def test_modes_and_devices():
+    assert MODES == ("auto", "on", "off")
+    assert enabled("auto", "cuda") and not enabled("auto", "cpu")
+    assert enabled("on", "cpu") and not enabled("off", torch.device("cuda"))
+    with pytest.raises(ValueError, match="train.compile: 'yes' is not one of auto, on, off"):
+        enabled("yes", "cpu")
+    with pytest.raises(ConfigError, match="train.compile"):
+        make_config("train.compile=yes")
+
+
+def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
+    model = tiny()
+    keys = list(model.state_dict())
+    want = sorted(n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU)))
+    names = apply_compile(model, backend="aot_eager")
+    assert sorted(names) == want == sorted(compiled(model)) and len(want) == 33
+    assert apply_compile(model, backend="aot_eager") == names          # idempotent: no class of a class
+    assert type(model.norm).__name__ == "CompiledRMSNorm" and type(model.norm).__mro__[1] is RMSNorm
+    assert list(model.state_dict()) == keys
+
+
+def test_compiled_step_equals_eager():
+    model = tiny()
+    comp = copy.deepcopy(model)
+    apply_compile(comp, backend="aot_eager")
+    assert_same(loss_and_grads(model), loss_and_grads(comp))
+    # a second step (other shapes reuse the graphs or add one; the values still match)
+    model.zero_grad(), comp.zero_grad()
+    assert_same(loss_and_grads(model), loss_and_grads(comp))
+
+
+def test_compiled_regions_recompute():
+    """Compile before recompute (``parallel.parallelize``'s order): the regions are compiled and recomputed."""
+    model = tiny()
+    ref = loss_and_grads(copy.deepcopy(model))
+    apply_compile(model, backend="aot_eager")
+    done = apply_recompute(model, "selective")
+    assert done == regions(model) and any(r.endswith("ffn_norm.forward") for r in done)
+    assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm"
+    assert sorted(compiled(model)) == sorted(n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU)))
+    assert_same(ref, loss_and_grads(model))
+
+
+def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatch, caplog):
+    from parallel import compile as regional
+    from models.layers import swiglu
+
+    def broken(fn, **kw):
+        def run(*args):
+            raise torch._dynamo.exc.TorchDynamoException("no compiler here")
+        return run
+
+    regional.region.cache_clear()
+    monkeypatch.setattr(torch, "compile", broken)
+    h1, h3 = torch.randn(4, 8), torch.randn(4, 8)
+    try:
+        with caplog.at_level("WARNING", logger="parallel"):
+            run = regional.region(swiglu, "inductor")
+            assert torch.equal(run(h1, h3), swiglu(h1, h3))
+            assert torch.equal(run(h1, h3), swiglu(h1, h3))
+    finally:
+        regional.region.cache_clear()
+    assert len(caplog.records) == 1
+    assert "compiling swiglu with inductor failed (TorchDynamoException: no compiler here)" in caplog.records[0].getMessage()
