@@ -102,3 +102,36 @@ def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatc
         regional.region.cache_clear()
     assert len(caplog.records) == 1
     assert "compiling swiglu with inductor failed (TorchDynamoException: no compiler here)" in caplog.records[0].getMessage()
+
+
+def _norm(x, w):
+    from models.layers import rms_norm
+    return rms_norm(x, w, 1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_regions_on_cuda_equal_eager(dtype):
+    """What the trainer runs on a GPU (``train.compile=auto``): inductor's kernels for both regions, forward and
+    backward, against the eager functions. FP32 to rounding; BF16 within one BF16 rounding (inductor keeps the
+    norm's FP32 statistics in registers and rounds once)."""
+    from models.layers import swiglu
+    from parallel.compile import region
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def check(fn, *inputs):
+        ref_in = [t.detach().clone().requires_grad_(True) for t in inputs]
+        got_in = [t.detach().clone().requires_grad_(True) for t in inputs]
+        want, got = fn(*ref_in), region(fn, "inductor")(*got_in)
+        dy = torch.randn(want.shape, generator=g, device="cuda", dtype=dtype)
+        want.backward(dy), got.backward(dy)
+        for a, b in [(want, got)] + [(r.grad, c.grad) for r, c in zip(ref_in, got_in)]:
+            err = ((a.float() - b.float()).norm() / a.float().norm()).item()
+            assert err < tol, (fn.__name__, dtype, err)
+
+    for rows in (8192, 1000):          # a new row count, as the routed experts see every step
+        x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype)
+        w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(dtype)
+        check(_norm, x, w)
+        check(swiglu, x, torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype))
