@@ -374,7 +374,9 @@ def part_step(ctx: Ctx, part: Part) -> None:
     part.notes.append(f"Model: preset `{'tiny' if ctx.smoke else 'v3_small'}` with n_layers={cfg.n_layers} "
                       f"(first_k_dense={cfg.first_k_dense}, mtp_depth={cfg.mtp_depth}, {cfg.n_routed_experts} routed "
                       f"experts, top-{cfg.n_activated_experts}); random tokens; forward+backward+AdamW+clip+bias update, "
-                      f"norms and SwiGLU compiled (`train.compile=auto`), BF16 autocast (fp8: `apply_fp8`, Triton kernels); {iters} timed steps after 2 warm-up steps."
+                      f"norms and SwiGLU compiled (`train.compile=auto`), BF16 autocast (fp8: `apply_fp8`, Triton "
+                      f"kernels); {iters} timed steps after 2 warm-up steps; host ms: until the step's last op was "
+                      f"enqueued (host-bound when close to the step)."
                       + (f" FLOPs/token {first['flops_per_token'] / 1e9:.2f} G (models.params.flops_per_token)."
                          if first else ""))
     part.headline = (f"fp8/bf16 step speed-up {speed:.2f}x; MFU " + ", ".join(f"{p} {r['mfu']:.1%}" for p, r in res.items())
@@ -385,12 +387,13 @@ def _step_tables(part: Part, res: dict, peak: float) -> None:
     """The step part's table (one row per measured variant) and each variant's top-kernels table."""
     rows = []
     for prec, r in res.items():
-        rows.append([prec, f"{r['batch']} x {r['seq']}", f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
+        rows.append([prec, f"{r['batch']} x {r['seq']}", f"{r['step_s'] * 1e3:.1f}", f"{r['host_s'] * 1e3:.1f}",
+                     f"{r['tokens_per_s']:.0f}",
                      f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", rep_f(r["peak_gb"], ".1f"), f"{r['loss']:.3f}",
                      ", ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])])
         if r["oom_retries"]:
             part.notes.append(f"{prec}: out of memory at batch {r['oom_retries']}, measured at batch {r['batch']}")
-    part.tables.append(Table(["precision", "batch x seq", "step ms (median)", "tokens/s", "model TFLOP/s",
+    part.tables.append(Table(["precision", "batch x seq", "step ms (median)", "host ms", "tokens/s", "model TFLOP/s",
                               f"MFU (vs {peak / 1e12:.0f})", "peak mem GB", "loss", "step times ms"], rows))
     for prec, r in res.items():
         prof = r.get("profile") or {}

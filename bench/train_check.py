@@ -231,9 +231,9 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
             for moe in model.moe_layers():
                 moe.update_bias(moe.tokens_per_expert.clone(), 1e-3)
                 moe.tokens_per_expert.zero_()
-        return float(out.loss.detach())
+        return out.loss.detach()
 
-    times, loss = _timed_steps(step, dev, warmup, iters)
+    times, host, loss = _timed_steps(step, dev, warmup, iters)
     step_s = statistics.median(times)
     prof = profile_step(step, dev, step_s) if profile else None
     tokens = batch * seq
@@ -242,7 +242,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     del model, opt, ids, inputs, labels
     return {"precision": precision, "head_loss": head_loss, "compile": compile, "batch": batch, "seq": seq,
-            "tokens": tokens, "step_s": step_s, "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
+            "tokens": tokens, "step_s": step_s, "host_s": statistics.median(host), "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
             "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
 
 
@@ -270,9 +270,10 @@ def profile_step(step, dev, step_s: float, top: int = 12) -> dict:
             "top": rows}
 
 
-def _timed_steps(step, dev, warmup: int, iters: int) -> tuple[list[float], float]:
-    """Run ``step`` ``warmup`` times, reset CUDA's peak memory, then time ``iters`` more runs (each waits for
-    the device); -> (seconds of each timed run, the last run's return value)."""
+def _timed_steps(step, dev, warmup: int, iters: int) -> tuple[list[float], list[float], float]:
+    """Run ``step`` (returns the loss as a device tensor) ``warmup`` times, reset CUDA's peak memory, then time
+    ``iters`` more runs (each waits for the device); -> (seconds of each timed run, seconds until each run's
+    ``step`` returned: the host's enqueue time, the last loss)."""
     import torch
 
     def sync():
@@ -284,13 +285,14 @@ def _timed_steps(step, dev, warmup: int, iters: int) -> tuple[list[float], float
     sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    times = []
+    times, host = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
         loss = step()
+        host.append(time.perf_counter() - t0)
         sync()
         times.append(time.perf_counter() - t0)
-    return times, loss
+    return times, host, float(loss)
 
 
 def measure_step_fitting(cfg, precision: str, batch: int, seq: int, device: str = "cuda", min_batch: int = 1,
