@@ -25,8 +25,10 @@ from parallel.wgrad import WeightGradQueue, apply_deferred_wgrad
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILES = ("models/layers.py", "models/attention.py", "models/moe.py", "models/transformer.py")
-# Functions of models/ that parallel/ may call: building blocks of the seams, not model compute.
-ALLOWED = {"build", "expert_counts", "unsort_and_weight", "span_steps", "drive", "carrying"}
+# Functions of models/ that parallel/ may call: building blocks of the seams, not model compute; and the
+# functions of the compiled regions, which parallel/compile.py hands to torch.compile as they are written in
+# models/ (the modules' own forwards call the same functions), never re-implements.
+ALLOWED = {"build", "expert_counts", "unsort_and_weight", "span_steps", "drive", "carrying", "rms_norm", "swiglu"}
 
 
 def _submodule_names() -> set[str]:
