@@ -134,6 +134,7 @@ class LocalDispatcher:
     links a latency).
     """
     link = LocalLink
+    weigh = staticmethod(unsort_and_weight)   # the combine's un-sort and weighted sum (a transform may compile it)
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -150,7 +151,7 @@ class LocalDispatcher:
 
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:
         order_R, w_TK = handle
-        return unsort_and_weight(y_RD, order_R, w_TK)
+        return self.weigh(y_RD, order_R, w_TK)
 
     def route(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
               experts: nn.Module) -> Steps:

@@ -1,12 +1,14 @@
 """Regional ``torch.compile`` (``train.compile``): ``apply_compile(model, backend)`` runs the model's elementwise
 chains as generated kernels, the rest of the forward as written.
 
-Regions: every ``RMSNorm`` (``models.layers.rms_norm``) and every ``SwiGLU`` product (``models.layers.swiglu``:
-dense MLPs, shared and routed experts). In eager a norm is 8 kernels forward and about 12 backward, each a pass
-over the activations (FP32 copies included), a SwiGLU 3 and 5; compiled, each is one generated kernel forward
-and one or two backward. They are the largest share of the step's elementwise bytes (``python -m
-tools.roofline``). Regions are module calls, never a collective or a host sync, so compiling them cannot break
-a graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
+Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
+dense MLPs, shared and routed experts) and the MoE combine's un-sort and gate-weighted sum
+(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers). In eager
+a norm is 8 kernels forward and about 12 backward, each a pass over the activations (FP32 copies included), a
+SwiGLU 3 and 5, the combine a gather, a product over the K copies and a sum, whose backward scatters into
+zeros; compiled, each is one or two generated kernels each way. They are the largest share of the step's
+elementwise bytes (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling
+them cannot break a graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
 
 Modes (``MODES``): ``auto`` compiles on CUDA and leaves the CPU eager (inductor's CPU code is not faster for
 the tiny models run there, and its first compile costs seconds); ``on`` compiles on any device; ``off`` never.
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
+from models.moe import LocalDispatcher, MoE, unsort_and_weight
 
 log = logging.getLogger("parallel")
 
@@ -73,13 +76,34 @@ def _swiglu_forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
 FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
 
 
+class Region:
+    """A function run as a compiled region (``region(fn, backend)``, looked up at each call), for the places
+    that call a function rather than a module: the MoE combine's ``weigh``."""
+
+    def __init__(self, fn: Callable, backend: str):
+        self.fn, self.backend = fn, backend
+
+    def __call__(self, *args):
+        return region(self.fn, self.backend)(*args)
+
+
+def _weighing(m: nn.Module) -> bool:
+    """A MoE layer whose dispatcher combines with ``unsort_and_weight`` (the single-device and the flat
+    all-to-all dispatchers; the hierarchical one sums per node with its own steps)."""
+    from .ep.dispatch import AllToAllDispatcher
+    return isinstance(m, MoE) and isinstance(m.dispatcher, (LocalDispatcher, AllToAllDispatcher))
+
+
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
-    its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, in place. Returns the compiled
-    modules' names. Idempotent."""
+    its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the MoE combines'
+    ``weigh``, in place. Returns the compiled modules' (and dispatchers') names. Idempotent."""
     classes: dict[tuple[type, str], type] = {}
     names = []
     for name, m in model.named_modules():
+        if _weighing(m):
+            m.dispatcher.weigh = Region(unsort_and_weight, backend)
+            names.append(f"{name}.dispatcher.weigh")
         base = next((c for c in FORWARDS if type(m) is c or getattr(type(m), "compiled_from", None) is c), None)
         if base is None:
             continue
@@ -94,8 +118,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
 
 
 def compiled(model: nn.Module) -> list[str]:
-    """The names of ``model``'s compiled modules."""
-    return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None]
+    """The names of ``model``'s compiled modules (and dispatchers' ``weigh``)."""
+    return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None] + \
+        [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
+         if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)]
 
 
-__all__ = ["MODES", "apply_compile", "compiled", "enabled", "region"]
+__all__ = ["MODES", "Region", "apply_compile", "compiled", "enabled", "region"]

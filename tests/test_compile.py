@@ -1,5 +1,5 @@
 """Regional ``torch.compile`` (``train.compile``, ``parallel/compile.py``): which devices compile, which modules
-become regions, and the same losses and gradients as eager (FP32, to rounding), alone and under selective
+(and MoE combines) become regions, and the same losses and gradients as eager (FP32, to rounding), alone and under selective
 recomputation. The CPU runs dynamo with the ``aot_eager`` backend (the traced forward and backward graphs,
 run by aten: seconds, not inductor's minutes of C++ compiles); the GPU suite runs inductor on CUDA."""
 import copy
@@ -11,6 +11,7 @@ import models
 from configs import model_preset
 from errors import ConfigError
 from models.layers import RMSNorm, SwiGLU
+from models.moe import MoE
 from parallel.compile import MODES, apply_compile, compiled, enabled
 from parallel.recompute import apply_recompute, regions
 
@@ -51,9 +52,10 @@ def test_modes_and_devices():
 def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
     model = tiny()
     keys = list(model.state_dict())
-    want = sorted(n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU)))
+    want = sorted([n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU))] +
+                  [f"{n}.dispatcher.weigh" for n, m in model.named_modules() if isinstance(m, MoE)])
     names = apply_compile(model, backend="aot_eager")
-    assert sorted(names) == want == sorted(compiled(model)) and len(want) == 33
+    assert sorted(names) == want == sorted(compiled(model)) and len(want) == 33 + 4
     assert apply_compile(model, backend="aot_eager") == names          # idempotent: no class of a class
     assert type(model.norm).__name__ == "CompiledRMSNorm" and type(model.norm).__mro__[1] is RMSNorm
     assert list(model.state_dict()) == keys
@@ -77,7 +79,7 @@ def test_compiled_regions_recompute():
     done = apply_recompute(model, "selective")
     assert done == regions(model) and any(r.endswith("ffn_norm.forward") for r in done)
     assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm"
-    assert sorted(compiled(model)) == sorted(n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU)))
+    assert len(compiled(model)) == 33 + 4
     assert_same(ref, loss_and_grads(model))
 
 
@@ -112,21 +114,23 @@ def _norm(x, w):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_regions_on_cuda_equal_eager(dtype):
-    """What the trainer runs on a GPU (``train.compile=auto``): inductor's kernels for both regions, forward and
-    backward, against the eager functions. FP32 to rounding; BF16 within one BF16 rounding (inductor keeps the
+    """What the trainer runs on a GPU (``train.compile=auto``): inductor's kernels for the three regions, forward
+    and backward, against the eager functions. FP32 to rounding; BF16 within one BF16 rounding (inductor keeps the
     norm's FP32 statistics in registers and rounds once)."""
     from models.layers import swiglu
+    from models.moe import unsort_and_weight
     from parallel.compile import region
     g = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
 
     def check(fn, *inputs):
-        ref_in = [t.detach().clone().requires_grad_(True) for t in inputs]
-        got_in = [t.detach().clone().requires_grad_(True) for t in inputs]
+        ref_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        got_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
         want, got = fn(*ref_in), region(fn, "inductor")(*got_in)
         dy = torch.randn(want.shape, generator=g, device="cuda", dtype=dtype)
         want.backward(dy), got.backward(dy)
-        for a, b in [(want, got)] + [(r.grad, c.grad) for r, c in zip(ref_in, got_in)]:
+        grads = [(r.grad, c.grad) for r, c in zip(ref_in, got_in) if r.is_floating_point()]
+        for a, b in [(want, got)] + grads:
             err = ((a.float() - b.float()).norm() / a.float().norm()).item()
             assert err < tol, (fn.__name__, dtype, err)
 
@@ -135,3 +139,5 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
         w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(dtype)
         check(_norm, x, w)
         check(swiglu, x, torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype))
+        order = torch.randperm(rows, generator=g, device="cuda")          # rows = T * K copies, K = 8
+        check(unsort_and_weight, x, order, torch.rand(rows // 8, 8, generator=g, device="cuda"))

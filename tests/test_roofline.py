@@ -116,16 +116,17 @@ def test_each_head_loss_reproduces_its_measured_step(head_loss):
 
 
 def test_compiled_regions_are_one_kernel_each_way():
-    """``train.compile`` (on CUDA by default): each norm and SwiGLU product records one fused kernel forward and one
-    backward (plus a reduction for a norm's weight), reading its inputs and writing its output once; the eager
-    chains' elementwise bytes go, and nothing else changes."""
+    """``train.compile`` (on CUDA by default): each norm, SwiGLU product and MoE combine records one fused kernel
+    forward and one backward (plus a reduction for a norm's weight), reading its inputs and writing its output
+    once; the eager chains' elementwise bytes go, and nothing else changes."""
     eager, _ = record_step(compose(["+exp=tiny", "train.precision=bf16", "train.compile=off"]))
     comp, mcfg = record_step(compose(["+exp=tiny", "train.precision=bf16"]))
     ops = totals(comp, "op")
     norms = 4 * mcfg.n_layers + 1 + 7 * mcfg.mtp_depth   # attn/ffn/q/kv per block, final; MTP: its block's 4 + 3
-    swiglus = mcfg.first_k_dense + 2 * (mcfg.n_layers - mcfg.first_k_dense) + 2 * mcfg.mtp_depth
-    assert ops["compiled region forward"].calls == norms + swiglus
-    assert ops["compiled region backward"].calls == 2 * norms + swiglus
+    moes = mcfg.n_layers - mcfg.first_k_dense + mcfg.mtp_depth
+    swiglus = mcfg.first_k_dense + 2 * moes                                  # dense MLPs; shared + routed experts
+    assert ops["compiled region forward"].calls == norms + swiglus + moes   # + each MoE combine
+    assert ops["compiled region backward"].calls == 2 * norms + swiglus + 2 * moes   # reductions: dweight, dgate
     assert "compiled region forward" not in totals(eager, "op")
     for key in ("gemm", "grouped gemm", "attention"):
         assert totals(comp, "class")[key].flops == totals(eager, "class")[key].flops, key

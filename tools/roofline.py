@@ -323,16 +323,16 @@ class _CompiledRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         saved = iter(ctx.saved_tensors)
-        inputs = [next(saved).detach().requires_grad_(True) if o is None else o for o in ctx.others]
+        inputs = [next(saved).detach() if o is None else o for o in ctx.others]
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        wrt = [t.requires_grad_(True) for t in tensors if t.is_floating_point()]   # not the index tensors
         with torch.enable_grad(), _paused(ctx.recorder):
-            grads = torch.autograd.grad(ctx.fn(*inputs), tensors, dout)
-        ctx.recorder.record("compiled region backward", None, (*tensors, dout), {}, grads, 0.0)
-        for g in grads:
-            if g.shape != dout.shape:
+            grads = dict(zip(map(id, wrt), torch.autograd.grad(ctx.fn(*inputs), wrt, dout)))
+        ctx.recorder.record("compiled region backward", None, (*tensors, dout), {}, list(grads.values()), 0.0)
+        for g in grads.values():
+            if g.shape != dout.shape and g.numel() < dout.numel():   # a reduced gradient (a norm's weight)
                 ctx.recorder.record("compiled region backward", None, (), {}, g, 0.0)
-        grads = iter(grads)
-        return (None, None, *[next(grads) if isinstance(t, torch.Tensor) else None for t in inputs])
+        return (None, None, *[grads.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs])
 
 
 @contextlib.contextmanager

@@ -75,8 +75,10 @@ class DispatchStats:
 
 
 class _DispatcherBase:
-    """Shared by the dispatchers: a layer name for error messages (``apply_ep`` sets it)."""
+    """Shared by the dispatchers: a layer name for error messages (``apply_ep`` sets it); the combine's un-sort
+    and weighted sum (``parallel/compile.py`` may compile it)."""
     name = "moe"
+    weigh = staticmethod(unsort_and_weight)
 
     def _handle(self, finish, pending) -> Handle:
         return Handle(finish, pending, self.name, dist.get_rank())
@@ -198,7 +200,7 @@ class AllToAllDispatcher(_DispatcherBase):
         y_RD = experts(x_recv[plan.perm], plan.tokens_per_expert)
         y_send = y_RD[torch.argsort(plan.perm)]
         (w_TK,), (y_sorted,) = yield Cut((w_TK,), [y_send], FlatLink(self, plan, "combine"))
-        return unsort_and_weight(y_sorted, plan.order, w_TK)
+        return self.weigh(y_sorted, plan.order, w_TK)
 
     def _count_crossings(self, topk_idx_TK, in_splits) -> None:
         my_node = self.ep_rank // self.rpn
