@@ -146,6 +146,12 @@ def test_fused_adamw_reads_and_writes_each_tensor_once():
     assert totals(fused, "phase")["optimizer"].seconds < 0.6 * totals(foreach, "phase")["optimizer"].seconds
 
 
+def test_fp8_is_refused_with_one_line(capsys):
+    assert roofline.main(["+exp=tiny", "train.precision=fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.precision=fp8: the roofline models")
+
+
 def test_cli_last_line(capsys):
     assert roofline.main(["+exp=tiny", "train.precision=bf16"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]

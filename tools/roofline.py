@@ -399,13 +399,13 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     from parallel.compile import enabled as compile_enabled
     t = cfg.train
     precision = Precision(t.precision)
+    if precision.fp8:
+        raise ValueError("train.precision=fp8: the roofline models the FP32 and BF16 steps; the FP8 step's Triton "
+                         "kernels have no fake-tensor model (measure it: python -m bench.gpu_suite --parts step)")
     rec = Recorder(hw)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(cfg, layers)
         apply_head_loss(model, t.head_loss)
-        if precision.fp8:
-            from parallel.fp8 import apply_fp8
-            apply_fp8(model, backend="emulation")
         if compile_enabled(t.compile, "cuda"):
             apply_compile(model)
         model.train()
@@ -479,7 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rec, model_cfg = record_step(cfg, args.layers, args.micro_batches)
+    try:
+        rec, model_cfg = record_step(cfg, args.layers, args.micro_batches)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len * args.micro_batches
     print(f"roofline: {model_cfg.n_layers} layers, {args.micro_batches} x {cfg.train.micro_batch_size} x "
           f"{cfg.data.seq_len} tokens, precision {cfg.train.precision}")
