@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import configure, interpreting, selfcheck
+from . import configure, selfcheck
 
 BLOCK = 1024            # elements per program (GPU)
 CHECK_TOL = 1e-5        # relative error vs the reference; FP32 reordering (fused multiply-adds) gives ~1e-7
@@ -78,7 +78,7 @@ def triton_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         coef = coef.float()
     if not n:
         return
-    block = block or (256 if interpreting() else BLOCK)
+    block = block or BLOCK
     kern._adamw_kernel[(-(-n // block),)](
         master, grad, exp_avg, exp_avg_sq, out if out is not None else master, coef if coef is not None else master,
         n, eps=eps, **_hyper(lr, beta1, beta2, weight_decay, step), HAS_COEF=coef is not None,
@@ -86,11 +86,14 @@ def triton_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
 
 
 def usable(device: torch.device | str) -> bool:
-    """Whether the kernel runs on ``device``: a CUDA device where it passed its self-check (checked once per
-    device; a failed check logs one warning, and the caller takes its torch path)."""
+    """Whether the kernel runs on ``device`` by default: a CUDA device where it passed its self-check
+    (``verified``); the caller takes its torch path where not."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return False
+    return device.type == "cuda" and verified(device)
+
+
+def verified(device: torch.device) -> bool:
+    """The self-check's verdict on ``device`` (run once per device; a failed check logs one warning)."""
     verdict, fresh = selfcheck.check("adamw", "triton", device, lambda: self_check(device), CHECK_TOL)
     if fresh and not verdict.ok:
         selfcheck.log.warning("adamw self-check failed on %s: %s; using torch's AdamW instead",
