@@ -2,8 +2,8 @@
 kernel paths (``Replicated``, ``ZeroOptimizer``) against their torch paths; the self-check's fallback; and
 ``FP32Grads`` keeping a single micro-batch's gradient in the parameter's dtype. Under the interpreter on CPU
 (tiny tensors), compiled on a GPU."""
-import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,8 +20,6 @@ from parallel.dims import ParallelDims  # noqa: E402
 from parallel.zero import Replicated  # noqa: E402
 from parallel.zero.master import FP32Grads  # noqa: E402
 from parallel.zero.native import ZeroOptimizer  # noqa: E402
-
-from .trainer_utils import make_config  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 ONE = ParallelDims(world_size=1)
@@ -133,7 +131,7 @@ def train(opt, model, xs, steps, micro, max_norm, dtype):
 
 
 def _optim():
-    return dataclasses.replace(make_config().optim, lr=1e-2, weight_decay=0.1, moment_dtype="fp32")
+    return SimpleNamespace(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, moment_dtype="fp32")
 
 
 @pytest.mark.parametrize("weights,micro,max_norm", [("bf16", 1, 0.5), ("bf16", 2, 1e3), ("fp32", 1, 0.5)])
@@ -145,7 +143,7 @@ def test_replicated_kernel_path_equals_the_torch_path(weights, micro, max_norm):
     for k in (False, True):
         model, xs = model_and_data()
         opt = Replicated(model, _optim(), ONE, None, weights=weights, kernel=k)
-        assert opt.kernel is k and opt.optimizer.defaults.get("fused") is None
+        assert opt.kernel is k and bool(opt.optimizer.defaults.get("fused")) == (DEV.type == "cuda" and not k)
         dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         norms = train(opt, model, xs, 3, micro, max_norm, dtype)
         state = {n: opt.optimizer.state[t] for n, t in opt.named}
@@ -180,7 +178,7 @@ def test_zero_kernel_path_equals_its_torch_maths():
 
 def test_a_wrong_kernel_gives_way_to_the_torch_path(monkeypatch, caplog):
     """The default path (``kernel=None``) checks the kernel on its device first; made wrong here, the check
-    fails with one warning and ``Replicated`` steps with torch's AdamW, as with ``kernel=False``. (Off CUDA the
+    fails with one warning and ``Replicated`` steps with torch's AdamW (foreach), as with ``kernel=False``. (Off CUDA the
     default is the torch path; the check is made to run here on this device.)"""
     import parallel.zero as zero
     real = adamw.triton_adamw_
@@ -199,7 +197,7 @@ def test_a_wrong_kernel_gives_way_to_the_torch_path(monkeypatch, caplog):
             train(opt, model, xs, 2, 1, 0.5, torch.bfloat16)
         results.append([m.detach().clone() for _, m in opt.named])
     assert len(caplog.records) == 1 and "adamw self-check failed" in caplog.records[0].getMessage()
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(rel(a, b) < 1e-6 for a, b in zip(*results))     # the wrong kernel would be 1e-3 off
     monkeypatch.setattr(adamw, "triton_adamw_", real)
     selfcheck.forget()
     assert adamw.verified(DEV) and adamw.self_check(DEV) < adamw.CHECK_TOL
