@@ -86,7 +86,7 @@ def launches() -> list[Launch]:
     sequence of ``parallel/fp8.py``), then the GEMMs on their pointer path; recorded on meta tensors."""
     import torch
 
-    from . import _adamw_kernels, adamw, gemm, grouped_gemm, quant
+    from . import _adamw_kernels, gemm, grouped_gemm, quant
 
     kernels = [quant._cast_kernel, quant._quant_act_kernel, quant._quant_act_t_kernel, quant._quant_weight_kernel,
                gemm._gemm_kernel, grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_wgrad_kernel,
@@ -137,15 +137,22 @@ def launches() -> list[Launch]:
         for label, fn, args in variants.values():      # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
             call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
-        # the optimizer: AdamW over a weight (BF16 gradient and weight, FP32 master and moments, clipped) and over
-        # a ZeRO bucket (FP32 gradient, BF16 moments, no clip, no weight written)
-        f32 = {"dtype": torch.float32}
-        call("adamw, bf16 weight", adamw.triton_adamw_, meta(F * H, **f32), meta(F * H), meta(F * H, **f32),
-             meta(F * H, **f32), lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
-             coef=meta(**f32), out=meta(F * H))
-        call("adamw, zero bucket", adamw.triton_adamw_, meta(F * H, **f32), meta(F * H, **f32), meta(F * H),
-             meta(F * H), lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=3)
+        _optimizer_launches(call, meta, F * H)
     return out
+
+
+def _optimizer_launches(call, meta, n: int) -> None:
+    """AdamW over a weight of ``n`` elements (BF16 gradient and weight, FP32 master and moments, clipped) and over
+    a ZeRO bucket (FP32 gradient, BF16 moments, no clip, no weight written)."""
+    import torch
+
+    from . import adamw
+    f32 = {"dtype": torch.float32}
+    hyper = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "step": 3}
+    call("adamw, bf16 weight", adamw.triton_adamw_, meta(n, **f32), meta(n), meta(n, **f32), meta(n, **f32),
+         weight_decay=0.1, coef=meta(**f32), out=meta(n), **hyper)
+    call("adamw, zero bucket", adamw.triton_adamw_, meta(n, **f32), meta(n, **f32), meta(n), meta(n),
+         weight_decay=0.0, **hyper)
 
 
 def _tuned_h100() -> dict:
