@@ -2,8 +2,8 @@
 specialisations its real launches use, and check what the compiled code does.
 
 Launches: ``launches()`` runs the FP8 training call sequence of ``parallel/fp8.py`` (Fprop, Dgrad, Wgrad of
-a dense linear and of the routed experts) through the *public wrappers* on meta tensors of production
-shapes, with each kernel's ``run`` (what ``kernel[grid](...)`` calls) swapped for a recorder. Grid,
+a dense linear and of the routed experts), then the optimizer's AdamW (``adamw.py``: over a BF16 weight and
+over a ZeRO bucket), through the *public wrappers* on meta tensors of production shapes, with each kernel's ``run`` (what ``kernel[grid](...)`` calls) swapped for a recorder. Grid,
 arguments, tile constexprs, ``num_warps`` and ``num_stages`` therefore come from the wrappers' own launch
 code (``GPU_CONFIG`` & co.), and the specialisation from Triton's own binder (``specialize_impl``: integers
 equal to 1 become constexprs, pointers and integers divisible by 16 get ``tt.divisibility``), exactly as
@@ -25,7 +25,8 @@ own wgmma before the next instruction that reads the result, here the promotion)
 
 Checks (``failures``): compiles; no local memory; shared memory <= 227 KB (H100/H200 per-block opt-in
 limit); for quantisers the instructions their bit-exactness rests on (``rounding_failures``: IEEE division,
-no flush-to-zero, the hardware's saturating RNE E4M3 convert, no float negation);
+no flush-to-zero, the hardware's saturating RNE E4M3 convert, no float negation); for the AdamW IEEE-rounded
+division and square root, no approximate ones (``ieee_facts``);
 for GEMMs (a ``tt.dot``): wgmma in PTX and SASS, and pipelined loads (cp.async or TMA into an
 operand ring of >= 2 stages); and what the launch config asks for: ``TMA`` -> TMA copies,
 ``WARP_SPECIALIZE`` (the opt-in variant, compiled too) -> setmaxnreg in PTX and SASS. The control must be *rejected* (unpipelined), which
@@ -57,6 +58,7 @@ CONTROL = "control: gemm fprop, num_stages=1"
 TOKENS, HIDDEN, INTER = 4096, 7168, 2048
 EXPERT_TOKENS = (0, 700, 1, 1499, 0, 513, 1300, 83)
 QUANT_KERNELS = ("_cast_kernel", "_quant_act_kernel", "_quant_act_t_kernel", "_quant_weight_kernel")
+IEEE_KERNELS = ("_adamw_kernel",)       # the optimizer: torch's AdamW to FP32 rounding needs IEEE div and sqrt
 
 
 @dataclass
@@ -84,10 +86,11 @@ def launches() -> list[Launch]:
     sequence of ``parallel/fp8.py``), then the GEMMs on their pointer path; recorded on meta tensors."""
     import torch
 
-    from . import gemm, grouped_gemm, quant
+    from . import _adamw_kernels, gemm, grouped_gemm, quant
 
     kernels = [quant._cast_kernel, quant._quant_act_kernel, quant._quant_act_t_kernel, quant._quant_weight_kernel,
-               gemm._gemm_kernel, grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_wgrad_kernel]
+               gemm._gemm_kernel, grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_wgrad_kernel,
+               _adamw_kernels._adamw_kernel]
     out, name = [], [""]
 
     def meta(*shape, dtype=torch.bfloat16):
@@ -134,7 +137,22 @@ def launches() -> list[Launch]:
         for label, fn, args in variants.values():      # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
             call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
+        _optimizer_launches(call, meta, F * H)
     return out
+
+
+def _optimizer_launches(call, meta, n: int) -> None:
+    """AdamW over a weight of ``n`` elements (BF16 gradient and weight, FP32 master and moments, clipped) and over
+    a ZeRO bucket (FP32 gradient, BF16 moments, no clip, no weight written)."""
+    import torch
+
+    from . import adamw
+    f32 = {"dtype": torch.float32}
+    hyper = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "step": 3}
+    call("adamw, bf16 weight", adamw.triton_adamw_, meta(n, **f32), meta(n), meta(n, **f32), meta(n, **f32),
+         weight_decay=0.1, coef=meta(**f32), out=meta(n), **hyper)
+    call("adamw, zero bucket", adamw.triton_adamw_, meta(n, **f32), meta(n, **f32), meta(n), meta(n),
+         weight_decay=0.0, **hyper)
 
 
 def _tuned_h100() -> dict:
@@ -257,7 +275,16 @@ def compile_report(launch: Launch, dump: str | None = None) -> dict:
         **{k: v for k, v in usage.items() if k.startswith("sass_")})
     if launch.kernel.fn.__name__ in QUANT_KERNELS:
         rep["rounding"] = rounding_facts(ptx)
+    if launch.kernel.fn.__name__ in IEEE_KERNELS:
+        rep["ieee"] = ieee_facts(ptx)
     return rep
+
+
+def ieee_facts(ptx: str) -> dict:
+    """Divisions and square roots of an optimizer kernel: IEEE-rounded (``div.rn``, ``sqrt.rn``) or approximate."""
+    count = lambda pattern: len(re.findall(pattern, ptx))   # noqa: E731
+    return {"div_rn": count(r"\bdiv\.rn\.f32\b"), "sqrt_rn": count(r"\bsqrt\.rn\.f32\b"),
+            "approx": count(r"\b(div\.(full|approx)|rcp\.approx|sqrt\.approx|rsqrt\.approx)\S*\.f32\b")}
 
 
 def rounding_facts(ptx: str) -> dict:
@@ -273,6 +300,8 @@ def failures(rep: dict) -> list[str]:
     if "error" in rep:
         return [f"does not compile for sm_90a: {rep['error']}"]
     bad = rounding_failures(rep["kernel"], rep["rounding"]) if "rounding" in rep else []
+    if "ieee" in rep and (rep["ieee"]["approx"] or not (rep["ieee"]["div_rn"] and rep["ieee"]["sqrt_rn"])):
+        bad.append(f"optimizer maths not IEEE-rounded: {rep['ieee']}")
     if rep["local"]:
         bad.append(f"{rep['local']} B of local memory (register spills / stack)")
     if rep["smem"] > H100_SMEM_PER_BLOCK:

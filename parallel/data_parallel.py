@@ -46,19 +46,36 @@ def sync_gradients(model: nn.Module, dims: ParallelDims, named: list | None = No
 
 def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None,
                    named: list | None = None) -> torch.Tensor:
-    """Global L2 norm over all parameters (a float64 scalar tensor on the parameters' device), clipped in
-    place. Expert shards are summed over the EP group, pipeline stages over the pp group; ``weight(name)``
-    (1 / holders) counts a tensor held by several pipeline ranks (DualPipe replicas, tied embeddings) once.
-    No host sync: the clip factor min(1, max_norm / norm) is applied on the device, like torch's own.
-    ``named``: as in ``sync_gradients``."""
+    """Global L2 norm over all parameters (``grad_norm``), clipped in place. No host sync: the clip factor
+    min(1, max_norm / norm) is applied on the device, like torch's own. ``named``: as in ``sync_gradients``."""
+    params = [p for _, p in (model.named_parameters() if named is None else named) if p.grad is not None]
+    total = grad_norm(model, dims, weight, named)
+    if max_norm > 0 and params:
+        torch._foreach_mul_([p.grad.detach() for p in params], clip_coef(total, max_norm))
+    return total
+
+
+def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)) on the device (torch's ``clip_grad_norm_`` formula)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | None = None,
+              grads: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients (a float64 scalar tensor on the parameters' device). Expert shards are
+    summed over the EP group, pipeline stages over the pp group; ``weight(name)`` (1 / holders) counts a tensor
+    held by several pipeline ranks (DualPipe replicas, tied embeddings) once. ``named``: as in
+    ``sync_gradients``; ``grads``: the gradient of each of them (any float dtype, read as it is) instead of
+    their ``.grad``."""
     expert = is_expert_param(model)
-    params = [(n, p) for n, p in (model.named_parameters() if named is None else named) if p.grad is not None]
-    device = params[0][1].device if params else torch.device("cpu")
-    grads = [p.grad.detach() for _, p in params]
+    named = list(model.named_parameters() if named is None else named)
+    grads = [p.grad for _, p in named] if grads is None else grads
+    pairs = [(n, g.detach()) for (n, _), g in zip(named, grads) if g is not None]
+    device = pairs[0][1].device if pairs else torch.device("cpu")
     # per (routed expert?, weight): one fused pass accumulated in FP64 (no FP64 copy of each gradient; the squares
     # of any finite FP32 value fit), scaled by a Python float: nothing travels from the host to the device
     groups: dict[tuple[bool, float], list[torch.Tensor]] = {}
-    for (n, _), g in zip(params, grads):
+    for n, g in pairs:
         groups.setdefault((expert[n], weight(n) if weight else 1.0), []).append(g)
     sq = {e: torch.zeros((), dtype=torch.float64, device=device) for e in (False, True)}
     for (is_expert, w), gs in groups.items():
@@ -69,10 +86,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight
     total_sq = dense_sq + expert_sq
     if dims.pp > 1:
         dist.all_reduce(total_sq, group=dims.group("pp"))
-    total = total_sq.sqrt()
-    if max_norm > 0 and grads:
-        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
-    return total
+    return total_sq.sqrt()
 
 
 def all_finite(tensors: list[torch.Tensor], device) -> torch.Tensor:

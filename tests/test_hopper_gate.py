@@ -38,10 +38,10 @@ def test_hopper_compile_gate():
     real = [r for r in reports if r["name"] != hopper_gate.CONTROL]
 
     # every kernel, at every production use, compiles for sm_90a
-    from kernels import gemm, grouped_gemm, quant
-    defined = {name for mod in (quant, gemm, grouped_gemm) for name, obj in vars(mod).items()
+    from kernels import _adamw_kernels, gemm, grouped_gemm, quant
+    defined = {name for mod in (quant, gemm, grouped_gemm, _adamw_kernels) for name, obj in vars(mod).items()
                if name.endswith("_kernel") and hasattr(obj, "fn")}          # @triton.jit (or interpreted)
-    assert len(defined) == 7 and defined <= {r["kernel"] for r in reports}, defined
+    assert len(defined) == 8 and defined <= {r["kernel"] for r in reports}, defined
     assert not broken(reports, lambda f: "does not compile" in f)
     launched = " ".join(r["name"] for r in reports)
     for use in ("gemm fprop", "gemm dgrad", "gemm wgrad", "grouped fprop", "grouped dgrad", "grouped wgrad"):
@@ -86,6 +86,11 @@ def test_hopper_compile_gate():
         facts = r["rounding"]
         assert facts["cvt_e4m3"] and not facts["div_approx"], r
         assert not facts["neg"] and not facts["ftz"] and (facts["div_rn"] or r["kernel"] == "_cast_kernel"), r
+    # the AdamW: both uses compile, with IEEE-rounded division and square root (torch's maths to FP32 rounding)
+    opt = [r for r in real if r["kernel"] == "_adamw_kernel"]
+    assert len(opt) == 2 and {"adamw, bf16 weight", "adamw, zero bucket"} == {r["name"] for r in opt}
+    for r in opt:
+        assert r["ieee"]["div_rn"] and r["ieee"]["sqrt_rn"] and not r["ieee"]["approx"], r
     assert not broken(reports, lambda f: f)
 
     # the control (dense GEMM at num_stages=1) must fail the pipelining check, or that check is not biting
@@ -110,6 +115,12 @@ def test_each_rule_rejects_what_it_should():
     assert "not pipelined" in hopper_gate.failures({**good, "tma": 0, "TMA": False})[0]
     assert hopper_gate.failures({**good, "gemm": False, "wgmma": 0, "sass_gmma": 0, "tma": 0, "smem_stages": 0}) == []
     assert "does not compile" in hopper_gate.failures({"name": "x", "error": "boom"})[0]
+    plain = {**good, "gemm": False, "wgmma": 0, "sass_gmma": 0, "tma": 0, "smem_stages": 0}
+    ieee = {"div_rn": 2, "sqrt_rn": 1, "approx": 0}
+    assert hopper_gate.failures({**plain, "ieee": ieee}) == []
+    for change in ({"approx": 1}, {"div_rn": 0}, {"sqrt_rn": 0}):
+        found = hopper_gate.failures({**plain, "ieee": {**ieee, **change}})
+        assert len(found) == 1 and "not IEEE-rounded" in found[0], (change, found)
 
 
 def test_rounding_rules_reject_what_they_should():

@@ -86,9 +86,9 @@ MEASURED_PHASES_12 = {"forward": 78.0, "backward": 108.5, "optimizer+other": 81.
 
 @pytest.mark.parametrize("layers", [4, 12])
 def test_v3_small_step_reproduces_the_measured_h100_step(layers):
-    """The step as it was measured (AdamW's foreach path; the trainer runs it fused on CUDA since)."""
+    """The step as it was measured (AdamW's foreach path; the trainer runs the Triton AdamW on CUDA since)."""
     rec, _ = record_step(compose(["+exp=v3_small", "train.head_loss=plain", "train.compile=off"]), layers,
-                         fused_adamw=False)
+                         fused_adamw=False, adamw_kernel=False)
     phase = {k: s.seconds * 1e3 for k, s in totals(rec, "phase").items()}
     step = sum(phase.values())
     assert abs(step / MEASURED_MS[layers] - 1) < 0.25, (step, phase)
@@ -100,14 +100,15 @@ def test_v3_small_step_reproduces_the_measured_h100_step(layers):
             assert abs(got[k] / want - 1) < 0.35, (k, got[k], want)
 
 
-# The 4-layer step with fused AdamW, per train.head_loss, measured by the GPU suite's step part on an H100 (one
-# session, docs/benchmarks.md): plain 118.1 ms, fused 88.0 ms, chunked 168.7 ms.
+# The 4-layer step with torch's fused AdamW, per train.head_loss, measured by the GPU suite's step part on an H100
+# (one session, docs/benchmarks.md): plain 118.1 ms, fused 88.0 ms, chunked 168.7 ms.
 MEASURED_HEAD_MS = {"plain": 118.1, "fused": 88.0, "chunked": 168.7}
 
 
 @pytest.mark.parametrize("head_loss", sorted(MEASURED_HEAD_MS))
 def test_each_head_loss_reproduces_its_measured_step(head_loss):
-    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off"]), 4)
+    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off"]), 4,
+                         adamw_kernel=False)
     step = sum(s.seconds for s in totals(rec, "phase").values()) * 1e3
     assert abs(step / MEASURED_HEAD_MS[head_loss] - 1) < 0.25, (head_loss, step)
     loss_ops = totals(rec, "op")
@@ -138,8 +139,8 @@ def test_fused_adamw_reads_and_writes_each_tensor_once():
     """AdamW fused (what ``parallel.zero.fused_adamw`` picks on CUDA): parameter, gradient and both moments read once,
     written once (7 x 4 bytes per FP32 parameter), against the foreach path's 20 passes."""
     cfg = compose(["+exp=tiny", "train.precision=bf16"])
-    fused, _ = record_step(cfg, fused_adamw=True)
-    foreach, _ = record_step(cfg, fused_adamw=False)
+    fused, _ = record_step(cfg, fused_adamw=True, adamw_kernel=False)
+    foreach, _ = record_step(cfg, fused_adamw=False, adamw_kernel=False)
     op = totals(fused, "op")["aten._fused_adamw_"]
     params = list(__import__("models").build(cfg.model, "meta").parameters())
     assert op.bytes == 7 * 4 * sum(p.numel() for p in params) + 4 * len(params)   # + each tensor's step counter
@@ -150,6 +151,52 @@ def test_fp8_is_refused_with_one_line(capsys):
     assert roofline.main(["+exp=tiny", "train.precision=fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: train.precision=fp8: the roofline models")
+
+
+def test_adamw_kernel_by_hand():
+    """``Replicated`` with BF16 weights on its CUDA path (the Triton AdamW), one micro-batch, W [N,K] and b [N]:
+    the norm reads each BF16 gradient once (one ``_foreach_norm``); then one kernel launch per parameter reads
+    the BF16 gradient, the FP32 master and both FP32 moments and writes master, moments and the BF16 weight
+    (2 + 4·4 + 4·3 + 2 = 28 bytes per element); no clip multiply, no FP32 copy of a gradient, no cast pass."""
+    from types import SimpleNamespace
+
+    from parallel.dims import ParallelDims
+    from parallel.zero import Replicated
+    rec = Recorder()
+    optim = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        lin = torch.nn.Linear(K, N)
+        with as_on_cuda():
+            opt = Replicated(lin, optim, ParallelDims(world_size=1), None, weights="bf16")
+        x = torch.empty(M, K, dtype=torch.bfloat16)
+        with rec, as_on_cuda(), roofline.adamw_kernel_recorded(rec):
+            rec.phase = "forward"
+            loss = lin(x).float().sum()
+            rec.phase = "backward"
+            opt.backward(loss)
+            rec.phase = "optimizer"
+            opt.step(1.0)
+    bwd, step = by_op(rec, "backward"), by_op(rec, "optimizer")
+    assert bwd["aten._to_copy"].bytes == (4 + 2) * M * N    # only dY cast to BF16: no FP32 copy of a gradient
+    elems = N * K + N
+    kernel = step["adamw kernel"]
+    assert kernel.launches == kernel.calls == 2 and kernel.bytes == 28 * elems
+    assert step["aten._foreach_norm"].bytes == 2 * elems + 2 * 8 and step["aten._foreach_norm"].calls == 1
+    assert not [op for op in step if op.startswith(("aten._foreach_mul", "aten._foreach_copy", "aten._fused_adam"))]
+    assert totals(rec, "class")["optimizer"].seconds == pytest.approx(
+        kernel.bytes / rec.hw.bandwidth["elementwise / other"] + 2 * rec.hw.launch_s)
+
+
+def test_v3_small_optimizer_is_the_adamw_kernel():
+    """The optimizer phase of the v3_small step with the Triton AdamW: one launch per parameter, its bytes ~28 per
+    parameter, and the phase at most 0.7x what torch's fused AdamW with its clip, casts and copy predict."""
+    cfg = compose(["+exp=v3_small"])
+    kernel, mcfg = record_step(cfg, 4)
+    fused, _ = record_step(cfg, 4, adamw_kernel=False)
+    n = sum(p.numel() for p in __import__("models").build(mcfg, "meta").parameters())
+    op = totals(kernel, "op")["adamw kernel"]
+    assert op.bytes == 28 * n
+    assert totals(kernel, "phase")["optimizer"].seconds < 0.7 * totals(fused, "phase")["optimizer"].seconds
 
 
 def test_cli_last_line(capsys):

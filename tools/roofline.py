@@ -80,6 +80,8 @@ def op_class(name: str) -> str:
         return "compiled elementwise"
     if name.startswith("aten._foreach") or name.startswith("aten._fused_adam"):
         return "optimizer (foreach)"
+    if name.startswith("adamw kernel"):
+        return "optimizer"
     if "softmax" in name or "nll_loss" in name or name.startswith("cross-entropy"):
         return "softmax / loss"
     return "elementwise / other"
@@ -202,24 +204,45 @@ def _launches(name: str, args: tuple) -> int:
 
 
 @contextlib.contextmanager
-def as_on_cuda(fused_adamw: bool = True):
+def as_on_cuda(fused_adamw: bool = True, adamw_kernel: bool = True):
     """The CUDA choices on the fake CPU tensors: AdamW and the gradient clip take their ``_foreach`` paths (torch's
-    default for CUDA parameters) and ``parallel.zero.fused_adamw`` says yes, as on a GPU."""
+    default for CUDA parameters), ``parallel.zero.fused_adamw`` says yes, and ``parallel.zero.triton_adamw`` says
+    ``adamw_kernel`` (the optimizers' default on CUDA; its launches are recorded by ``adamw_kernel_recorded``)."""
     import torch.nn.utils.clip_grad as clip_grad
     import torch.optim.adam as adam
 
     import parallel.zero as zero
     saved = (adam._default_to_fused_or_foreach, clip_grad._has_foreach_support, clip_grad._device_has_foreach_support,
-             zero.fused_adamw)
+             zero.fused_adamw, zero.triton_adamw)
     adam._default_to_fused_or_foreach = lambda params, differentiable, use_fused=False: (False, True)
     clip_grad._has_foreach_support = lambda tensors, device: True
     clip_grad._device_has_foreach_support = lambda device: True
     zero.fused_adamw = lambda tensors: fused_adamw and bool(tensors)
+    zero.triton_adamw = lambda tensors: adamw_kernel and bool(tensors)
     try:
         yield
     finally:
         (adam._default_to_fused_or_foreach, clip_grad._has_foreach_support, clip_grad._device_has_foreach_support,
-         zero.fused_adamw) = saved
+         zero.fused_adamw, zero.triton_adamw) = saved
+
+
+@contextlib.contextmanager
+def adamw_kernel_recorded(recorder: "Recorder"):
+    """``kernels/adamw.py``'s Triton AdamW as CUDA runs it, recorded instead of run (fake tensors run no Triton):
+    one launch per call that reads the gradient, master and both moments once and writes master, moments and the
+    BF16 weight once (class ``optimizer``); its self-check taken as passed."""
+    from kernels import adamw
+
+    def launch(master, grad, exp_avg, exp_avg_sq, *, out=None, **hyper):
+        written = (master, exp_avg, exp_avg_sq) + ((out,) if out is not None else ())
+        recorder.record("adamw kernel", None, (master, grad, exp_avg, exp_avg_sq), {}, written, 0.0)
+
+    saved = adamw.triton_adamw_, adamw.usable
+    adamw.triton_adamw_, adamw.usable = launch, lambda device: True
+    try:
+        yield
+    finally:
+        adamw.triton_adamw_, adamw.usable = saved
 
 
 # ---- attention as one fused kernel ------------------------------------------------------------------------
@@ -386,9 +409,10 @@ def fake_model(cfg, layers: int | None = None):
 
 
 def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hardware = H100,
-                fused_adamw: bool = True) -> tuple[Recorder, object]:
-    """One training step of ``cfg`` on fake tensors, recorded (module docstring). ``fused_adamw=False``: AdamW's
-    foreach path, as the step measured on the H100 ran. Returns the recorder and the model config it ran."""
+                fused_adamw: bool = True, adamw_kernel: bool = True) -> tuple[Recorder, object]:
+    """One training step of ``cfg`` on fake tensors, recorded (module docstring). The optimizer as on CUDA: the
+    Triton AdamW (``adamw_kernel``); ``adamw_kernel=False``: torch's AdamW, fused, or with ``fused_adamw=False``
+    its foreach path, as the step measured on the H100 ran. Returns the recorder and the model config it ran."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from parallel.dims import ParallelDims
@@ -409,12 +433,13 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
         if compile_enabled(t.compile, "cuda"):
             apply_compile(model)
         model.train()
-        with as_on_cuda(fused_adamw):
+        with as_on_cuda(fused_adamw, adamw_kernel):
             opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1), weights=precision.weights)
         ids = torch.randint(0, model.cfg.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1))
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
-        with rec, fused_attention(rec), fused_cross_entropy(rec), compiled_regions(rec), as_on_cuda():
+        with rec, fused_attention(rec), fused_cross_entropy(rec), compiled_regions(rec), as_on_cuda(), \
+                adamw_kernel_recorded(rec):
             for _ in range(micro_batches):
                 rec.phase = "forward"
                 with autocast:

@@ -34,7 +34,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..data_parallel import all_finite, clip_grad_norm, sync_gradients
+from kernels import adamw as adamw_kernel
+
+from ..data_parallel import all_finite, clip_coef, clip_grad_norm, grad_norm, sync_gradients
 from ..dims import ParallelDims
 from ..state_dict import to_global, to_local
 from .master import WEIGHT_DTYPES, FP32Grads, cast_
@@ -54,23 +56,37 @@ def fused_adamw(tensors: list[torch.Tensor]) -> bool:
     return bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
 
 
+def triton_adamw(tensors: list[torch.Tensor]) -> bool:
+    """Whether the optimizers update ``tensors`` with the Triton AdamW (``kernels/adamw.py``: one pass per
+    parameter, clip coefficient and BF16 weight write included) by default: on CUDA. It still runs only where
+    it passed its self-check on the device (``kernels.adamw.usable``); elsewhere the torch path runs."""
+    return bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
+
+
 def adamw_step_counter(param: torch.Tensor, fused: bool) -> torch.Tensor:
     """The FP32 scalar step count ``torch.optim.AdamW`` itself would create for ``param``: on the parameter's
     device when fused (its CUDA kernel takes every state tensor on that device and refuses a host counter),
-    on the host otherwise."""
+    on the host otherwise (the Triton AdamW's path reads it there without a host sync)."""
     if fused:
         return torch.zeros((), dtype=torch.float32, device=param.device)
     return torch.tensor(0.0, dtype=torch.float32)   # a constant: fake-tensor tracing (tools.roofline) can read it
 
 
 class Replicated:
-    """No sharding: every data-parallel rank keeps the full AdamW state (torch.optim.AdamW, fp32 moments; fused
-    on CUDA, ``fused_adamw``). With ``weights="bf16"`` AdamW updates a full FP32 master copy (the FP32 values the
-    model arrives with; ``master.py``) whose gradients are accumulated in FP32, and casts it into the BF16
-    parameters in one grouped copy."""
+    """No sharding: every data-parallel rank keeps the full AdamW state (``torch.optim.AdamW``'s, fp32 moments),
+    which ``self.optimizer`` holds (param groups, lr, state) whichever path updates it. With ``weights="bf16"``
+    AdamW updates a full FP32 master copy (the FP32 values the model arrives with; ``master.py``) from the
+    step's gradients (the BF16 one of a single micro-batch, else their FP32 sum).
+
+    The update, on CUDA (``kernel``, default ``triton_adamw``): the global gradient norm in one fused pass over
+    the gradients as they are, the clip coefficient as a device scalar, then one Triton AdamW launch per
+    parameter that reads the gradient once, updates master and moments, and writes the BF16 weight
+    (``kernels/adamw.py``). Elsewhere, and where the kernel failed its self-check: clip, ``torch.optim.AdamW``
+    (fused on CUDA, ``fused_adamw``), then the master cast into the BF16 parameters in one grouped copy.
+    ``kernel=True`` forces the Triton path (the interpreter on CPU: tests)."""
 
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, grad_weight: Callable[[str], float] | None,
-                 weights: str = "fp32", fused: bool | None = None):
+                 weights: str = "fp32", fused: bool | None = None, kernel: bool | None = None):
         self.model, self.dims, self.grad_weight = model, dims, grad_weight
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fp32_grads = None
@@ -79,13 +95,16 @@ class Replicated:
             self.named = [(n, nn.Parameter(p.detach())) for n, p in self.params]   # keeps the FP32 storage
             cast_([p for _, p in self.params], WEIGHT_DTYPES[weights])
             self.fp32_grads = FP32Grads([p for _, p in self.params])
-        decay = [t for _, t in self.named if t.dim() >= 2]
-        no_decay = [t for _, t in self.named if t.dim() < 2]
+        tensors = [t for _, t in self.named]
+        self.kernel = triton_adamw(tensors) if kernel is None else kernel
+        self.check_kernel = kernel is None   # the default path: the kernel runs where it passed its self-check
+        decay = [t for t in tensors if t.dim() >= 2]
+        no_decay = [t for t in tensors if t.dim() < 2]
         groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = fused_adamw([t for _, t in self.named]) if fused is None else fused
+        fused = fused_adamw(tensors) and not self.kernel if fused is None else fused
         self.optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
                                            eps=optim_cfg.eps, fused=fused or None)
-        for _, t in self.named:   # AdamW's state now (it would at the first step): checkpoints before it, memory()
+        for t in tensors:   # AdamW's state now (it would at the first step): checkpoints before it, memory()
             self.optimizer.state[t].update(step=adamw_step_counter(t, fused), exp_avg=torch.zeros_like(t),
                                            exp_avg_sq=torch.zeros_like(t))
 
@@ -107,18 +126,56 @@ class Replicated:
             [p.grad for _, p in self.params if p.grad is not None]
         return all_finite(grads, next(self.model.parameters()).device)
 
-    def step(self, max_norm: float) -> float:
-        if self.fp32_grads is not None:   # the FP32 sums become the master's gradients
-            for (_, p), (_, m) in zip(self.params, self.named):
-                m.grad = self.fp32_grads.pop(p)
-        if self.dims.world_size > 1:
+    def step(self, max_norm: float) -> torch.Tensor:
+        kernel = self.kernel and (not self.check_kernel or adamw_kernel.usable(self.named[0][1].device))
+        grads = self._take_grads(as_held=kernel and self.dims.dp == 1)
+        if self.dims.dp > 1:
             sync_gradients(self.model, self.dims, self.named)
+            grads = [t.grad for _, t in self.named]
+        if kernel:
+            return self._kernel_step(grads, max_norm)
+        if self.dims.world_size > 1:
             norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight, self.named)
         else:
             norm = torch.nn.utils.clip_grad_norm_([t for _, t in self.named], max_norm if max_norm > 0 else float("inf"))
         self.optimizer.step()
         if self.fp32_grads is not None:
             self._cast_master()
+        return norm
+
+    def _take_grads(self, as_held: bool) -> list[torch.Tensor | None]:
+        """This step's gradient of each of ``self.named``. BF16 weights: taken from ``fp32_grads``, as held
+        (``as_held``: a single micro-batch's stays BF16) or as the FP32 master's ``.grad``."""
+        if self.fp32_grads is None:
+            return [t.grad for _, t in self.named]
+        grads = []
+        for (_, p), (_, m) in zip(self.params, self.named):
+            g = self.fp32_grads.pop(p)
+            if g is not None and not as_held:
+                m.grad = g = g.float()
+            grads.append(g)
+        return grads
+
+    @torch.no_grad()
+    def _kernel_step(self, grads: list[torch.Tensor | None], max_norm: float) -> torch.Tensor:
+        """Norm, clip coefficient (device scalars), then one Triton AdamW launch per parameter with a gradient
+        (``torch.optim.AdamW`` skips the others too), its step count advanced on the host."""
+        norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads)
+        coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
+        grad_of = {id(t): g for (_, t), g in zip(self.named, grads)}
+        low = {id(m): p for (_, p), (_, m) in zip(self.params, self.named)} if self.fp32_grads is not None else {}
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            for t in group["params"]:
+                g = grad_of[id(t)]
+                if g is None:
+                    continue
+                state = self.optimizer.state[t]
+                state["step"] += 1
+                adamw_kernel.triton_adamw_(t.data, g.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
+                                           beta1=beta1, beta2=beta2, eps=group["eps"],
+                                           weight_decay=group["weight_decay"], step=int(state["step"]), coef=coef,
+                                           out=low[id(t)].data if id(t) in low else None)
         return norm
 
     @torch.no_grad()

@@ -7,9 +7,10 @@ the BF16 weights. The optimizer is built on the model while its weights are stil
 ``checkpoint.init_from``): it keeps those values as the master and only then casts the parameters
 (``cast_``), so a run starts from exactly the FP32 values it was given, not their BF16 rounding.
 
-Gradients leave autograd in the parameters' dtype, one backward at a time. ``FP32Grads`` adds each into an
-FP32 accumulator from a post-accumulate-grad hook and frees the BF16 one, so the micro-batches of a step
-(and the pieces of a pipeline backward) are summed in FP32, never in BF16.
+Gradients leave autograd in the parameters' dtype, one backward at a time. ``FP32Grads`` takes each from a
+post-accumulate-grad hook: the first as it is (a step of one micro-batch needs no FP32 copy: the optimizer reads
+the BF16 gradient, ``kernels/adamw.py``), and from the second on it adds them into an FP32 accumulator, so the
+micro-batches of a step (and the pieces of a pipeline backward) are summed in FP32, never in BF16.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ def cast_(params: list[nn.Parameter], dtype: torch.dtype) -> None:
 
 
 class FP32Grads:
-    """FP32 gradient accumulators of low-precision parameters, keyed by parameter: a post-accumulate-grad
-    hook adds ``p.grad`` (this backward's gradient) into ``grads[p]`` and frees it. ``paused`` leaves
-    ``p.grad`` alone (ZeRO-2's backward path reduce-scatters each micro-batch's gradient into FP32 itself)."""
+    """Gradients of low-precision parameters, keyed by parameter: a post-accumulate-grad hook takes ``p.grad``
+    (this backward's gradient) into ``grads[p]`` and frees it. The first is kept in the parameter's dtype; a
+    second turns the entry into an FP32 accumulator (the first converted exactly) and adds into it. ``get``
+    hands out FP32 (converting a kept one in place); ``pop`` hands over what is held. ``paused`` leaves ``p.grad``
+    alone (ZeRO-2's backward path reduce-scatters each micro-batch's gradient into FP32 itself)."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.grads: dict[nn.Parameter, torch.Tensor] = {}
@@ -44,19 +47,25 @@ class FP32Grads:
             return
         acc = self.grads.get(p)
         if acc is None:
-            self.grads[p] = p.grad.float()
+            self.grads[p] = p.grad
         else:
+            if acc.dtype != torch.float32:
+                acc = self.grads[p] = acc.float()
             acc.add_(p.grad)
         p.grad = None
 
     def get(self, p: nn.Parameter, fill: bool = False) -> torch.Tensor | None:
-        """``p``'s FP32 gradient so far; with ``fill`` zeros (kept) when it has none yet."""
+        """``p``'s gradient so far in FP32 (what the pipeline's replica sums add into); with ``fill`` zeros (kept)
+        when it has none yet."""
         acc = self.grads.get(p)
         if acc is None and fill:
             acc = self.grads[p] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        elif acc is not None and acc.dtype != torch.float32:
+            acc = self.grads[p] = acc.float()
         return acc
 
     def pop(self, p: nn.Parameter) -> torch.Tensor | None:
+        """``p``'s gradient so far, removed: in the parameter's dtype after one backward, else FP32."""
         return self.grads.pop(p, None)
 
     def clear(self) -> None:

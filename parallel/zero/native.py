@@ -35,9 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..data_parallel import all_finite
+from ..data_parallel import all_finite, clip_coef
 from ..dims import ParallelDims
-from . import MOMENT_DTYPES
+from kernels import adamw as adamw_kernel
+
+from . import MOMENT_DTYPES, triton_adamw
 from .buckets import Bucket, Slot, build_buckets, chunk_range  # noqa: F401 - chunk_range: this module's API too
 from .master import WEIGHT_DTYPES, FP32Grads, cast_
 from .memory import MemoryReport, account
@@ -54,7 +56,11 @@ class _LRGroups(torch.optim.Optimizer):
 
 class ZeroOptimizer:
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, stage: int = 1, moment_dtype: str = "bf16",
-                 bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None, weights: str = "fp32"):
+                 bucket_mb: float = 32.0, grad_weight: Callable[[str], float] | None = None, weights: str = "fp32",
+                 kernel: bool | None = None):
+        """``kernel``: update each bucket with the Triton AdamW (``kernels/adamw.py``, one launch per bucket, the
+        clip folded in); default on CUDA where it passed its self-check (``triton_adamw``), ``True`` forces it
+        (the interpreter on CPU: tests), else ``kernels.adamw.reference_adamw_`` (the same maths in torch)."""
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
         self.model, self.dims, self.stage = model, dims, stage
@@ -69,6 +75,8 @@ class ZeroOptimizer:
         self.buckets = build_buckets(model, dims, optim_cfg.weight_decay, bucket_mb, grad_weight)
         for b in self.buckets:
             self._allocate(b)
+        self.kernel = triton_adamw([b.master for b in self.buckets]) if kernel is None else kernel
+        self.check_kernel = kernel is None
         self.optimizer = _LRGroups([{"params": [b.master], "weight_decay": b.weight_decay} for b in self.buckets],
                                    {"lr": self.lr})
         params = [s.param for b in self.buckets for s in b.slots]
@@ -210,32 +218,23 @@ class ZeroOptimizer:
         if d.pp > 1:
             dist.all_reduce(sq, group=d.group("pp"))
         norm = sq.sqrt()   # stays on the device: the clip factor below needs no host sync
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for b in self.buckets:
-                b.grad.mul_(coef)
+        coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
         self.n_steps += 1
-        beta1, beta2 = self.betas
-        bc1 = 1 - beta1 ** self.n_steps
-        bc2_sqrt = (1 - beta2 ** self.n_steps) ** 0.5
+        update = self._update()
         for b, group in zip(self.buckets, self.optimizer.param_groups):
-            lr = group["lr"]
-            m = b.exp_avg.float() if b.exp_avg.dtype != torch.float32 else b.exp_avg
-            v = b.exp_avg_sq.float() if b.exp_avg_sq.dtype != torch.float32 else b.exp_avg_sq
-            if b.weight_decay:
-                b.master.mul_(1 - lr * b.weight_decay)
-            m.lerp_(b.grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(b.grad, b.grad, value=1 - beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-            b.master.addcdiv_(m, denom, value=-lr / bc1)
-            if m is not b.exp_avg:
-                b.exp_avg.copy_(m)
-                b.exp_avg_sq.copy_(v)
+            update(b.master, b.grad, b.exp_avg, b.exp_avg_sq, lr=group["lr"], beta1=self.betas[0],
+                   beta2=self.betas[1], eps=self.eps, weight_decay=b.weight_decay, step=self.n_steps, coef=coef)
             b.grad = None
         self._step_reduced = False
         self._all_gather()
         self.optimizer.step()
         return norm
+
+    def _update(self):
+        """The AdamW update of a bucket: the Triton kernel (``kernel``, where it passed its self-check), else the
+        same maths in torch."""
+        usable = self.buckets and (not self.check_kernel or adamw_kernel.usable(self.buckets[0].master.device))
+        return adamw_kernel.triton_adamw_ if self.kernel and usable else adamw_kernel.reference_adamw_
 
     def _all_gather(self) -> None:
         works = []
