@@ -28,6 +28,9 @@ from . import configure, selfcheck
 
 BLOCK = 1024            # elements per program (GPU)
 CHECK_TOL = 1e-5        # relative error vs the reference; FP32 reordering (fused multiply-adds) gives ~1e-7
+# BF16 moments: a fused multiply-add can flip the BF16 rounding of an element (2^-8 of it): one flip in the check's
+# 3,149 elements is 6e-5 (measured on an H100); a wrong kernel is >= 1e-2 off. Their error counts at this scale.
+BF16_MOMENT_TOL = 1e-3
 
 
 def _hyper(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> dict:
@@ -104,7 +107,8 @@ def verified(device: torch.device) -> bool:
 def self_check(device: torch.device) -> float:
     """Worst relative error of master and moments after two steps of the kernel vs ``reference_adamw_`` on a
     small ragged problem (BF16 gradient, clip coefficient < 1, weight decay, FP32 and BF16 moments, BF16
-    ``out``); NaN when ``out`` is not the new master rounded to BF16 bit for bit."""
+    ``out``; BF16 moments' errors scaled by ``CHECK_TOL / BF16_MOMENT_TOL``); NaN when ``out`` is not the new
+    master rounded to BF16 bit for bit."""
     g = torch.Generator().manual_seed(0)
     n = 3 * BLOCK + 77
     start = torch.randn(n, generator=g).to(device)
@@ -123,7 +127,8 @@ def self_check(device: torch.device) -> float:
         (want, *wmom, _), (got, *gmom, gout) = runs
         if selfcheck.mismatch(gout, got.to(torch.bfloat16)):
             return float("nan")
-        errs += [selfcheck.rel_err(a, b) for a, b in zip([got] + gmom, [want] + wmom)]
+        scale = 1.0 if moments == torch.float32 else CHECK_TOL / BF16_MOMENT_TOL
+        errs += [selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)]
     return max(errs)
 
 

@@ -36,6 +36,11 @@ from models.moe import LocalDispatcher, MoE, unsort_and_weight
 log = logging.getLogger("parallel")
 
 MODES = ("auto", "on", "off")   # train.compile
+# Graphs a region may keep (dynamo's recompile limit, 8 by default): a norm sees 3 widths (model, q and kv latents),
+# BF16 and FP32 inputs, training and no-grad evaluation, and batch shapes; past the limit dynamo runs it eagerly.
+RECOMPILE_LIMIT = 64
+COMPILE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")
+                       if hasattr(torch._dynamo.exc, name))
 
 
 def enabled(mode: str, device: torch.device | str) -> bool:
@@ -50,12 +55,14 @@ def region(fn: Callable, backend: str) -> Callable:
     """``fn`` compiled for ``backend``, one per process (``tools.roofline`` replaces this to record a region as
     the one fused kernel it becomes). If dynamo or the backend fails to compile it, one warning line names the
     region and the error, and ``fn`` runs eagerly from then on: slower, never wrong."""
-    state = {"fn": torch.compile(fn, backend=backend, fullgraph=True)}
+    state = {"fn": torch.compile(fn, backend=backend)}
+    limit = torch._dynamo.config
+    limit.recompile_limit = max(limit.recompile_limit, RECOMPILE_LIMIT)
 
     def run(*args):
         try:
             return state["fn"](*args)
-        except torch._dynamo.exc.TorchDynamoException as e:
+        except COMPILE_ERRORS as e:
             if state["fn"] is fn:
                 raise
             log.warning("train.compile: compiling %s with %s failed (%s: %s); it runs eagerly",
