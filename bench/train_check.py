@@ -190,11 +190,13 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
-                 seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto") -> dict:
+                 seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto",
+                 adamw: str = "auto") -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
     last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``), ``compile`` ``train.compile``
-    (``parallel.compile``)."""
+    (``parallel.compile``); ``adamw``: ``auto`` (the trainer's optimizer: the Triton AdamW on CUDA after its
+    self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces)."""
     import torch
 
     import models
@@ -217,7 +219,11 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     if enabled(compile, dev):
         apply_compile(model)
     model.train()
-    opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1), weights=Precision(precision).weights)   # as the trainer
+    if adamw == "torch":
+        from parallel.zero import Replicated
+        opt = Replicated(model, OPTIM, ParallelDims(world_size=1), None, Precision(precision).weights, kernel=False)
+    else:   # as the trainer
+        opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1), weights=Precision(precision).weights)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
@@ -241,9 +247,9 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     tps = tokens / step_s
     peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
     del model, opt, ids, inputs, labels
-    return {"precision": precision, "head_loss": head_loss, "compile": compile, "batch": batch, "seq": seq,
-            "tokens": tokens, "step_s": step_s, "host_s": statistics.median(host), "step_times_s": times, "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12,
-            "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
+    return {"precision": precision, "head_loss": head_loss, "compile": compile, "adamw": adamw, "batch": batch,
+            "seq": seq, "tokens": tokens, "step_s": step_s, "host_s": statistics.median(host), "step_times_s": times,
+            "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12, "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
 
 
 def profile_step(step, dev, step_s: float, top: int = 12) -> dict:

@@ -1,0 +1,71 @@
+"""One training step of ``v3_small`` on one GPU, variant against variant in one process:
+``python -m bench.step_variants [--layers 12] [--variants A,C,D,E] [--deadline-s 300] [--json out.json]``.
+
+Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast),
+B compiled regions with torch's AdamW, C the trainer's step on CUDA (``train.compile=auto``, the Triton AdamW),
+D C in FP8, E C at batch 8. All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated,
+random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time
+(a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, and the
+top GPU kernels of one profiled step. Needs CUDA (and omegaconf for the presets: the carried wheels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+VARIANTS = {   # key: (label, precision, train.compile, adamw, batch)
+    "A": ("bf16, eager, torch AdamW (before)", "bf16", "off", "torch", 4),
+    "B": ("bf16, compiled, torch AdamW", "bf16", "auto", "torch", 4),
+    "C": ("bf16, compiled, Triton AdamW (the trainer's)", "bf16", "auto", "auto", 4),
+    "D": ("fp8, compiled, Triton AdamW", "fp8", "auto", "auto", 4),
+    "E": ("bf16, compiled, Triton AdamW, batch 8", "bf16", "auto", "auto", 8),
+}
+
+
+def line(key: str, r: dict) -> list[str]:
+    out = [f"{key} {VARIANTS[key][0]}: batch {r['batch']} step {r['step_s'] * 1e3:.1f} ms (host {r['host_s'] * 1e3:.1f}) "
+           f"MFU {r['mfu']:.1%} tok/s {r['tokens_per_s']:.0f} peak {r['peak_gb']:.1f} GB loss {r['loss']:.4f} "
+           f"times {[round(t * 1e3, 1) for t in r['step_times_s']]}"]
+    p = r.get("profile") or {}
+    if p.get("top"):
+        out.append(f"  GPU busy {p['busy_ms']:.1f} ms ({p['busy_fraction']:.0%}), launches {p['launches']}")
+        out += [f"   {ms:8.2f} ms {n:5d} {share:6.1%} {name[:80]}" for name, n, ms, share in p["top"][:10]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from bench.train_check import measure_step_fitting, reduced_config
+    ap = argparse.ArgumentParser(prog="python -m bench.step_variants", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--variants", default="A,C,D,E")
+    ap.add_argument("--deadline-s", type=float, default=300.0, help="start no variant after this many seconds")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench.step_variants needs a CUDA device", file=sys.stderr)
+        return 2
+    cfg, deadline, res = reduced_config("v3_small", args.layers), time.monotonic() + args.deadline_s, {}
+    for key in args.variants.split(","):
+        label, precision, compile_mode, adamw, batch = VARIANTS[key]
+        if time.monotonic() > deadline:
+            print(f"{key} {label}: not run (deadline)")
+            continue
+        try:
+            res[key] = measure_step_fitting(cfg, precision, batch, 2048, "cuda", iters=4 if batch == 4 else 2,
+                                            profile=batch == 4, head_loss="fused", compile=compile_mode, adamw=adamw)
+            print("\n".join(line(key, res[key])), flush=True)
+        except Exception as e:   # noqa: BLE001 - report and go on to the next variant
+            print(f"{key} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
