@@ -176,6 +176,35 @@ def test_zero_kernel_path_equals_its_torch_maths():
         torch.testing.assert_close(x, y, rtol=2 ** -8, atol=0)
 
 
+def test_replicated_bf16_moments_are_kept_and_match_the_native_zero():
+    """``optim.moment_dtype=bf16`` without ZeRO: ``Replicated`` keeps both moments in BF16 (half the optimizer
+    state, ``memory()`` says so) and updates them with the same maths as the native ZeRO optimizer, on the torch
+    reference (``kernel=False``) and on the kernel (``kernel=True``); ``build_optimizer`` passes the setting."""
+    from parallel.zero import build_optimizer
+    runs = []
+    for make in (lambda m: ZeroOptimizer(m, _optim(), ONE, stage=1, moment_dtype="bf16", weights="bf16", kernel=False),
+                 lambda m: Replicated(m, _optim(), ONE, None, weights="bf16", kernel=False, moments="bf16"),
+                 lambda m: Replicated(m, _optim(), ONE, None, weights="bf16", kernel=True, moments="bf16")):
+        model, xs = model_and_data()
+        opt = make(model)
+        norms = train(opt, model, xs, 3, 1, 0.5, torch.bfloat16)
+        masters = opt.master_weights()
+        runs.append((norms, {n: t.float() for n, t in masters.items()}))
+        if isinstance(opt, Replicated):
+            assert {opt.optimizer.state[t][k].dtype for _, t in opt.named for k in ("exp_avg", "exp_avg_sq")} == \
+                {torch.bfloat16}
+            n = sum(p.numel() for p in model.parameters())
+            assert opt.memory().measured["optim"] == 2 * 2 * n
+    (n0, w0), (n1, w1), (n2, w2) = runs
+    assert n1 == pytest.approx(n0, rel=1e-6) and n2 == pytest.approx(n0, rel=1e-6)
+    for name in w0:
+        assert rel(w1[name], w0[name]) < 1e-6, name
+        assert rel(w2[name], w0[name]) < 1e-4, name     # a fused multiply-add may flip a BF16 moment's rounding
+    optim = SimpleNamespace(**{**vars(_optim()), "moment_dtype": "bf16"})
+    opt = build_optimizer(model_and_data()[0], optim, ONE, weights="bf16")
+    assert isinstance(opt, Replicated) and opt.moments == torch.bfloat16
+
+
 def test_a_wrong_kernel_gives_way_to_the_torch_path(monkeypatch, caplog):
     """The default path (``kernel=None``) checks the kernel on its device first; made wrong here, the check
     fails with one warning and ``Replicated`` steps with torch's AdamW (foreach), as with ``kernel=False``. (Off CUDA the

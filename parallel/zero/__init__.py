@@ -83,11 +83,17 @@ class Replicated:
     parameter that reads the gradient once, updates master and moments, and writes the BF16 weight
     (``kernels/adamw.py``). Elsewhere, and where the kernel failed its self-check: clip, ``torch.optim.AdamW``
     (fused on CUDA, ``fused_adamw``), then the master cast into the BF16 parameters in one grouped copy.
-    ``kernel=True`` forces the Triton path (the interpreter on CPU: tests)."""
+    ``kernel=True`` forces the Triton path (the interpreter on CPU: tests).
+
+    ``moments="bf16"`` (``optim.moment_dtype``) keeps both moments in BF16, DeepSeek-V3's recipe (maths in FP32):
+    ``torch.optim.AdamW`` keeps them in the parameter's dtype, so off the kernel those steps run
+    ``kernels.adamw.reference_adamw_``, the kernel's maths in torch, as the native ZeRO optimizer does."""
 
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, grad_weight: Callable[[str], float] | None,
-                 weights: str = "fp32", fused: bool | None = None, kernel: bool | None = None):
+                 weights: str = "fp32", fused: bool | None = None, kernel: bool | None = None,
+                 moments: str = "fp32"):
         self.model, self.dims, self.grad_weight = model, dims, grad_weight
+        self.moments = MOMENT_DTYPES[moments]
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fp32_grads = None
         self.named = self.params   # what AdamW updates: the parameters, or their FP32 master
@@ -101,12 +107,14 @@ class Replicated:
         decay = [t for t in tensors if t.dim() >= 2]
         no_decay = [t for t in tensors if t.dim() < 2]
         groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = fused_adamw(tensors) and not self.kernel if fused is None else fused
+        own = self.moments != torch.float32     # moments torch's AdamW cannot keep: the reference updates them
+        fused = fused_adamw(tensors) and not self.kernel and not own if fused is None else fused
         self.optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
                                            eps=optim_cfg.eps, fused=fused or None)
         for t in tensors:   # AdamW's state now (it would at the first step): checkpoints before it, memory()
-            self.optimizer.state[t].update(step=adamw_step_counter(t, fused), exp_avg=torch.zeros_like(t),
-                                           exp_avg_sq=torch.zeros_like(t))
+            self.optimizer.state[t].update(step=adamw_step_counter(t, fused),
+                                           exp_avg=torch.zeros_like(t, dtype=self.moments),
+                                           exp_avg_sq=torch.zeros_like(t, dtype=self.moments))
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -128,12 +136,12 @@ class Replicated:
 
     def step(self, max_norm: float) -> torch.Tensor:
         kernel = self.kernel and (not self.check_kernel or adamw_kernel.usable(self.named[0][1].device))
-        grads = self._take_grads(as_held=kernel and self.dims.dp == 1)
+        grads = self._take_grads(as_held=(kernel or self.moments != torch.float32) and self.dims.dp == 1)
         if self.dims.dp > 1:
             sync_gradients(self.model, self.dims, self.named)
             grads = [t.grad for _, t in self.named]
-        if kernel:
-            return self._kernel_step(grads, max_norm)
+        if kernel or self.moments != torch.float32:
+            return self._own_step(grads, max_norm, adamw_kernel.triton_adamw_ if kernel else adamw_kernel.reference_adamw_)
         if self.dims.world_size > 1:
             norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight, self.named)
         else:
@@ -157,9 +165,10 @@ class Replicated:
         return grads
 
     @torch.no_grad()
-    def _kernel_step(self, grads: list[torch.Tensor | None], max_norm: float) -> torch.Tensor:
-        """Norm, clip coefficient (device scalars), then one Triton AdamW launch per parameter with a gradient
-        (``torch.optim.AdamW`` skips the others too), its step count advanced on the host."""
+    def _own_step(self, grads: list[torch.Tensor | None], max_norm: float, update: Callable) -> torch.Tensor:
+        """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: one launch; or its torch
+        reference) per parameter with a gradient (``torch.optim.AdamW`` skips the others too), its step count
+        advanced on the host."""
         norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads)
         coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
         grad_of = {id(t): g for (_, t), g in zip(self.named, grads)}
@@ -172,10 +181,9 @@ class Replicated:
                     continue
                 state = self.optimizer.state[t]
                 state["step"] += 1
-                adamw_kernel.triton_adamw_(t.data, g.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"],
-                                           beta1=beta1, beta2=beta2, eps=group["eps"],
-                                           weight_decay=group["weight_decay"], step=int(state["step"]), coef=coef,
-                                           out=low[id(t)].data if id(t) in low else None)
+                update(t.data, g.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
+                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=int(state["step"]),
+                       coef=coef, out=low[id(t)].data if id(t) in low else None)
         return norm
 
     @torch.no_grad()
@@ -223,8 +231,8 @@ class Replicated:
         n = sum(p.numel() for p in params)
         measured = {"params": sum(p.numel() * p.element_size() for p in params), "grads": 4 * n,
                     "master": 4 * n if self.fp32_grads is not None else 0,
-                    "optim": 2 * 4 * n}   # fp32 grads and AdamW moments of every local parameter
-        return account(self.model, self.dims, zero=0, moment_bytes=4, measured=measured,
+                    "optim": 2 * self.moments.itemsize * n}   # fp32 grads and AdamW moments of every local parameter
+        return account(self.model, self.dims, zero=0, moment_bytes=self.moments.itemsize, measured=measured,
                        weight_bytes=params[0].element_size() if params else 4)
 
 
@@ -250,7 +258,8 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
     if zero == 0:
-        return Replicated(model, optim, dims, grad_weight, weights)
+        return Replicated(model, optim, dims, grad_weight, weights,
+                          moments=moment_dtype(getattr(optim, "moment_dtype", "auto"), zero, backend))
     if backend == "deepspeed":
         from .deepspeed_backend import DeepSpeedZero
         return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb, weights=weights)
