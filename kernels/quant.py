@@ -11,6 +11,9 @@ Granularity and layout (T = 128):
   TMA can read it), ``sT [C, ⌈R/T⌉]``. Grouped: tiles restart at each expert's first row and ``qT`` is in
   tile space, ``[C, n·T]`` with tile t in columns ``[t·T, t·T+T)``, zero-padded; ``sT [C, n]``,
   ``n = ⌈R/T⌉+E-1`` (``reference.py``).
+- ``quant_act_both(x [R,C], tpe)``  both of the above from one launch that reads ``x`` once (a T×T block per
+  program: tile t's rows × one K-tile): ``(q, s, qT, sT)``, the FP8 linears' copies of an input whose Fprop
+  (or Dgrad) and Wgrad both run.
 - ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous
   (torch's transposed copy of the bytes).
 - ``cast_to_e4m3(x)``               the bare saturating RNE cast (tests the rounding exhaustively).
@@ -120,6 +123,36 @@ def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_CO
 
 
 @triton.jit
+def _quant_act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr,
+                           stride_qm, stride_sm, stride_qc, stride_sc, POW2: tl.constexpr, HW: tl.constexpr,
+                           DENSE: tl.constexpr):
+    # One T×T block of x (tile t's rows, as in _quant_act_t_kernel, × the K-tile program_id(1)) quantised both
+    # ways: along the row (1×T, into q/s in token order) and along the column (T×1, into qT/sT). Every row of
+    # x is in exactly one tile, so each row's 1×T tiles are quantised once.
+    t, k = tl.program_id(0), tl.program_id(1)
+    if DENSE:
+        rs = t * _TILE
+        re = Q_COLS
+    else:
+        rs = tl.load(row_start_ptr + t)
+        re = tl.load(row_end_ptr + t)
+    offs_r = rs + tl.arange(0, _TILE)
+    cols = t * _TILE + tl.arange(0, _TILE)
+    offs_c = k * _TILE + tl.arange(0, _TILE)
+    rows_in, cols_in = offs_r < re, offs_c < C
+    mask = rows_in[:, None] & cols_in[None, :]
+    x = tl.load(x_ptr + offs_r[:, None] * stride_xr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = _scale_from_amax(_amax(x, 1), POW2)                      # [T] 1×T: one per row
+    tl.store(q_ptr + offs_r[:, None] * stride_qm + offs_c[None, :], _to_e4m3(tl.math.div_rn(x, s[:, None]), HW),
+             mask=mask)
+    tl.store(s_ptr + offs_r * stride_sm + k, s, mask=rows_in)
+    st = _scale_from_amax(_amax(x, 0), POW2)                     # [T] T×1: one per column
+    tl.store(qt_ptr + offs_c[None, :] * stride_qc + cols[:, None], _to_e4m3(tl.math.div_rn(x, st[None, :]), HW),
+             mask=(cols[:, None] < Q_COLS) & cols_in[None, :])
+    tl.store(st_ptr + offs_c * stride_sc + t, st, mask=cols_in)
+
+
+@triton.jit
 def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qn, stride_se, stride_sn,
                          POW2: tl.constexpr, HW: tl.constexpr):
     pid_n, pid_k, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -178,29 +211,53 @@ def quant_act(x: torch.Tensor, pow2: bool = False, q: torch.Tensor | None = None
     return q, s
 
 
-def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R,C]`` -> ``qT`` e4m3, ``sT`` fp32 in 128×1 tiles: ``qT [C,R]``, ``sT [C,⌈R/128⌉]`` without
-    ``tokens_per_expert``; with it, tiles restart per expert and ``qT [C,n·128]`` is in tile space, ``sT [C,n]``."""
-    _check_input(x, (2,))
+def _act_t_layout(x: torch.Tensor, tokens_per_expert: torch.Tensor | None):
+    """The 128×1 copy's outputs ``(qT, sT)`` (unfilled), its tile table (``None`` when dense: the kernels derive
+    the tiles from the program id), the number of tiles and ``qT``'s used width (``Q_COLS``)."""
     R, C = x.shape
     if tokens_per_expert is None:       # rows of qT 16-byte aligned (TMA's rule), whatever R is
         n, cols = cdiv(R, TILE), R
         q = torch.empty((C, -(-R // 16) * 16), dtype=FP8_DTYPE, device=x.device)[:, :R]
-        table = None                    # the dense kernel derives its tiles from the program id
+        table = None
     else:                               # the tile table (segment_tiles, memoised per counts tensor)
         tiles = tile_table(tokens_per_expert, R, TILE, x.device)
         table = (tiles["row_start"], tiles["row_end"])
         n = table[0].numel()
         cols = n * TILE
         q = torch.empty((C, cols), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((C, n), dtype=torch.float32, device=x.device)
+    return q, torch.empty((C, n), dtype=torch.float32, device=x.device), table, n, cols
+
+
+def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R,C]`` -> ``qT`` e4m3, ``sT`` fp32 in 128×1 tiles: ``qT [C,R]``, ``sT [C,⌈R/128⌉]`` without
+    ``tokens_per_expert``; with it, tiles restart per expert and ``qT [C,n·128]`` is in tile space, ``sT [C,n]``."""
+    _check_input(x, (2,))
+    C = x.shape[1]
+    q, s, table, n, cols = _act_t_layout(x, tokens_per_expert)
     if n and C:
         block_c = _rows_block(C, 64)
         _quant_act_t_kernel[(n, cdiv(C, block_c))](
             x, q, s, *(table or (s, s)), C, cols, x.stride(0), q.stride(0), s.stride(0), BLOCK_C=block_c, POW2=pow2,
             HW=_hw_cast(), DENSE=table is None, num_warps=4)
     return q, s
+
+
+def quant_act_both(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(*quant_act(x), *quant_act_t(x, tokens_per_expert))`` bit for bit, in one launch that reads ``x`` once:
+    ``q [R,C]``, ``s [R,⌈C/128⌉]``, ``qT``, ``sT`` (layouts of ``quant_act_t``). With ``tokens_per_expert`` its
+    counts must sum to R (as the reference's): a row outside every expert's tiles is not quantised."""
+    _check_input(x, (2,))
+    R, C = x.shape
+    q = torch.empty((R, C), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((R, cdiv(C, TILE)), dtype=torch.float32, device=x.device)
+    qt, st, table, n, cols = _act_t_layout(x, tokens_per_expert)
+    if n and C:                         # 128×128 blocks: a row's 1×128 scale needs the K-tile's 128 columns
+        _quant_act_both_kernel[(n, cdiv(C, TILE))](
+            x, q, s, qt, st, *(table or (s, s)), C, cols, x.stride(0), q.stride(0), s.stride(0), qt.stride(0),
+            st.stride(0), POW2=pow2, HW=_hw_cast(), DENSE=table is None, num_warps=8)
+    return q, s, qt, st
 
 
 def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
@@ -258,9 +315,10 @@ def self_check_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def self_check(op: str, device: torch.device, fn=None) -> float:
-    """Fraction of FP8 bytes and scales of ``op`` (``quant_act``, ``quant_act_t``, ``quant_weight``; ``fn``: the
-    function to check, default this module's) that differ from ``reference.py`` (0.0: bit-exact), both scale
-    modes, on ``self_check_inputs``; the case that differs most is named in the raised error."""
+    """Fraction of FP8 bytes and scales of ``op`` (``quant_act``, ``quant_act_t``, ``quant_act_both``,
+    ``quant_weight``; ``fn``: the function to check, default this module's) that differ from ``reference.py``
+    (0.0: bit-exact), both scale modes, on ``self_check_inputs``; the case that differs most is named in the
+    raised error."""
     from . import reference as ref
     from .selfcheck import mismatch
     fn = fn or globals()[op]
@@ -268,13 +326,16 @@ def self_check(op: str, device: torch.device, fn=None) -> float:
     cases = {"quant_act": [("bf16", (x.bfloat16(),), {}), ("fp32 16-row-divisible", (x[:192],), {})],
              "quant_act_t": [("dense", (x, None), {}), ("experts", (x, tpe), {}),
                              ("dense, 300 rows", (torch.cat([x, x[:100]]), None), {})],
+             "quant_act_both": [("dense", (x, None), {}), ("experts, bf16", (x.bfloat16(), tpe), {}),
+                                ("dense, 300 rows", (torch.cat([x, x[:100]]), None), {})],
              "quant_weight": [("3-D, transposed copy", (x.view(2, 100, 320),), {"transpose": True}),
                               ("2-D", (x[:136],), {})]}[op]
+    names = ("q", "s", "qT", "sT") if op == "quant_act_both" else ("q", "s", "q_t")
     worst, where = 0.0, ""
     for pow2 in (False, True):
         for label, args, kwargs in cases:
             got, want = fn(*args, pow2=pow2, **kwargs), getattr(ref, op)(*args, pow2=pow2, **kwargs)
-            for name, g_, w_ in zip(("q", "s", "q_t"), got, want):
+            for name, g_, w_ in zip(names, got, want):
                 m = mismatch(g_, w_)
                 if m > worst:
                     worst, where = m, f"{op} {label}, pow2={pow2}: {name} {tuple(g_.shape)}"

@@ -15,6 +15,7 @@ Scaling granularity (T = 128 elements):
   *tile space*: ``[C, n_tiles·T]``, tile t in columns ``[t·T, t·T + T)``, zero past its expert's last token
   (``act_t_columns`` maps tokens to columns). Every tile then starts 128-byte aligned, so the grouped Wgrad
   loads whole tiles (TMA boxes) with no masks.
+- ``quant_act_both`` both of the above of one tensor: ``(q, s, qT, sT)``.
 - ``quant_weight`` weights, T×T blocks over the last two dims: ``w [...,N,K]`` -> ``q``, ``s [...,⌈N/T⌉,⌈K/T⌉]``.
 
 GEMMs (FP32 accumulation; output BF16/FP32), operands are logical views, any strides:
@@ -223,6 +224,13 @@ def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, 
     s = scale_from_amax(xp.abs().amax(1), pow2)                                 # [n, C]
     q = _to_e4m3_(xp.div_(s[:, None, :])).view(n * TILE, C)
     return q.t().contiguous(), s.t().contiguous()
+
+
+def quant_act_both(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both copies of ``x [R,C]``: ``(*quant_act(x), *quant_act_t(x, tokens_per_expert))`` (an FP8 linear's input
+    when Fprop and Wgrad both read it, or its output gradient when Dgrad and Wgrad do)."""
+    return (*quant_act(x, pow2), *quant_act_t(x, tokens_per_expert, pow2))
 
 
 # ------------------------------------------------------------------------------------------------ GEMMs
