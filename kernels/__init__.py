@@ -60,8 +60,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 def get_ops(backend: str, device: torch.device | str = "cpu"):
-    """The op namespace of ``backend`` on ``device``: ``quant_act``, ``quant_act_t``, ``quant_weight``, ``gemm``,
-    ``grouped_gemm``, ``grouped_wgrad`` (signatures in ``reference.py``)."""
+    """The op namespace of ``backend`` on ``device``: ``quant_act``, ``quant_act_t``, ``quant_act_both``,
+    ``quant_weight``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad`` (signatures in ``reference.py``)."""
     name = resolve_backend(backend, device)
     if name == "emulation":
         from . import reference
@@ -81,8 +81,9 @@ def _device_key(device: torch.device | str) -> torch.device:
 @functools.cache
 def triton_ops() -> types.SimpleNamespace:
     """The Triton kernels; a quantiser that is not bit-exact vs the reference on a device gives way there (one
-    warning) to the next that is (``quant_act_t``: its transposed composition), else to the reference's; GEMMs
-    run their self-checked default launch variant."""
+    warning) to the next that is (``quant_act_t``: its transposed composition; ``quant_act_both``: this
+    namespace's two separate quantisers), else to the reference's; GEMMs run their self-checked default launch
+    variant."""
     configure()
     from . import auto, gemm, grouped_gemm, quant, reference
 
@@ -100,9 +101,18 @@ def triton_ops() -> types.SimpleNamespace:
             return fn(x, *args, **kwargs)
         return run
 
+    quant_act, quant_act_t = checked("quant_act"), checked("quant_act_t")
+
+    @functools.wraps(quant.quant_act_both)
+    def quant_act_both(x, tokens_per_expert=None, pow2=False):
+        if x.device.type == "meta" or auto.triton_quant_exact("quant_act_both", x.device):
+            return quant.quant_act_both(x, tokens_per_expert, pow2)
+        return (*quant_act(x, pow2), *quant_act_t(x, tokens_per_expert, pow2))
+
     return types.SimpleNamespace(
-        quant_act=checked("quant_act"), quant_act_t=checked("quant_act_t"), quant_weight=checked("quant_weight"),
-        gemm=gemm.gemm, grouped_gemm=grouped_gemm.grouped_gemm, grouped_wgrad=grouped_gemm.grouped_wgrad)
+        quant_act=quant_act, quant_act_t=quant_act_t, quant_act_both=quant_act_both,
+        quant_weight=checked("quant_weight"), gemm=gemm.gemm, grouped_gemm=grouped_gemm.grouped_gemm,
+        grouped_wgrad=grouped_gemm.grouped_wgrad)
 
 
 @functools.cache
@@ -114,6 +124,7 @@ def _torch_ops() -> types.SimpleNamespace:
             f"fp8 backend 'torch': torch {torch.__version__} has no blockwise-scaled grouped GEMM; use "
             f"backend 'auto' (Triton grouped kernels) or 'triton'")
     return types.SimpleNamespace(quant_act=reference.quant_act, quant_act_t=reference.quant_act_t,
+                                 quant_act_both=reference.quant_act_both,
                                  quant_weight=reference.quant_weight, gemm=torch_gemm.gemm,
                                  grouped_gemm=grouped, grouped_wgrad=grouped)
 

@@ -3,7 +3,8 @@
 Engines per op, in order of preference (``cuda_engines``):
 - quantisers: the Triton kernels when they are bit-exact vs ``reference.py`` on this device (for the 128×1
   transposed one also its composition ``quant.quant_act_t_transposed``), else the reference's plain-torch
-  quantisers;
+  quantisers; ``quant_act_both`` (both copies of one activation): the fused Triton kernel when it is bit-exact
+  here, else ("separate") this namespace's own ``quant_act`` and ``quant_act_t``, one after the other;
 - ``gemm``: torch's blockwise ``scaled_mm`` (cuBLASLt, ``torch_gemm.py``) where the running torch and device
   have it and the operands suit it, and the Triton kernel (its first self-checked launch variant);
 - ``grouped_gemm`` / ``grouped_wgrad``: the Triton kernels (torch has no blockwise-scaled grouped GEMM in the
@@ -35,7 +36,7 @@ from .reference import _b_group
 log = logging.getLogger("kernels")
 
 GEMM_OPS = ("gemm", "grouped_gemm", "grouped_wgrad")
-QUANT_OPS = ("quant_act", "quant_act_t", "quant_weight")
+QUANT_OPS = ("quant_act", "quant_act_t", "quant_act_both", "quant_weight")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Engine:
     verify: Callable[[torch.device], str | None]
     accepts: Callable[..., bool] | None = None
     fallback: bool = False      # the reference: used only when no other engine passes or accepts the operands
+    # (for ``quant_act_both``: the separate quantisers, which ``AutoOps`` runs through its own ops)
 
 
 @dataclass
@@ -64,6 +66,14 @@ class AutoOps:
 
     def quant_act_t(self, x, tokens_per_expert=None, pow2=False):
         return self._one("quant_act_t")(x, tokens_per_expert, pow2)
+
+    def quant_act_both(self, x, tokens_per_expert=None, pow2=False):
+        """The fused kernel where it passed its self-check here, else this namespace's two quantisers (so each
+        copy comes from the engine its own op chose)."""
+        fused = self.passed("quant_act_both")[0] if "quant_act_both" in self.engines else None
+        if fused is None or fused.fallback:
+            return (*self.quant_act(x, pow2), *self.quant_act_t(x, tokens_per_expert, pow2))
+        return fused.fn(x, tokens_per_expert, pow2)
 
     def quant_weight(self, w, pow2=False, transpose=False):
         return self._one("quant_weight")(w, pow2, transpose=transpose)
@@ -212,10 +222,17 @@ def cuda_engines() -> dict[str, list[Engine]]:
     def ref_ok(device):
         return None
 
+    def fused_ok(device):        # one warning line when it fails (``passed``'s), naming where it differs
+        verdict, _ = selfcheck.check("quant_act_both", "triton", device,
+                                     lambda: quant.self_check("quant_act_both", device), tol=0.0)
+        return None if verdict.ok else verdict.why
+
     quantisers = {op: [Engine("triton", getattr(quant, op), quant_ok(op)),
                        Engine("reference", getattr(reference, op), ref_ok, fallback=True)] for op in QUANT_OPS}
     quantisers["quant_act_t"].insert(1, Engine("triton transposed", quant.quant_act_t_transposed,
                                                quant_ok("quant_act_t", quant.quant_act_t_transposed, "transposed")))
+    quantisers["quant_act_both"] = [Engine("triton", quant.quant_act_both, fused_ok),
+                                    Engine("separate", reference.quant_act_both, ref_ok, fallback=True)]
     return quantisers | {
         "gemm": [Engine("torch scaled_mm", torch_gemm.gemm, torch_ok, torch_gemm.accepts),
                  Engine("triton", gemm.gemm, variant_ok("gemm", gemm.self_check)),

@@ -11,6 +11,8 @@ Every converted GEMM runs in FP8 (E4M3) with FP32 accumulation promoted every 12
 - Fprop  ``y  = x·Wᵀ``   x 1×128 tiles, W 128×128 blocks;
 - Dgrad  ``dx = dy·W``   dy 1×128 tiles, W 128×128 blocks (the same quantised W, read transposed);
 - Wgrad  ``dW = dyᵀ·x``  dy and x in 128×1 tiles (along tokens).
+Where both FP8 copies of one tensor are needed (the input when Wgrad runs, the output gradient when Dgrad and
+Wgrad both do), one ``quant_act_both`` launch makes them; otherwise the single quantiser runs.
 The forward caches its input only in FP8 (the 128×1, transposed copy Wgrad needs) plus the FP8 weight, which
 is quantised once per step and shared by the micro-batches in flight (``WeightFP8``, ``reuse_fp8_weights``);
 master weights and gradients stay FP32. Outputs follow autocast (BF16 under ``torch.autocast``) or the
@@ -112,11 +114,9 @@ class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, ops, pow2, out_dtype, grad_on, queue=None, cache=None):
         with torch.autocast(x.device.type, enabled=False):
-            x2 = _rows(x)
-            xq, xs = ops.quant_act(x2, pow2)
+            xq, xs, *xt = _quant_copies(ops, _rows(x), None, pow2, True, grad_on and ctx.needs_input_grad[1])
             wq, ws, wq_t = _weight(cache, ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
             y = ops.gemm(xq, xs, wq, ws, _gemm_dtype(out_dtype)).to(out_dtype)
-            xt = ops.quant_act_t(x2, None, pow2) if grad_on and ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(*xt, wq_t, ws)
         ctx.ops, ctx.pow2, ctx.x_shape, ctx.x_dtype, ctx.queue = ops, pow2, x.shape, x.dtype, queue
         ctx.param = weight
@@ -128,12 +128,10 @@ class _FP8LinearFn(torch.autograd.Function):
         ops, pow2 = ctx.ops, ctx.pow2
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
-            dy2 = _rows(dy)
+            dyq, dys, dyt_q, dyt_s = _quant_copies(ops, _rows(dy), None, pow2, *ctx.needs_input_grad[:2])
             if ctx.needs_input_grad[0]:
-                dyq, dys = ops.quant_act(dy2, pow2)
                 dx = ops.gemm(dyq, dys, wq_t, ws.mT, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                dyt_q, dyt_s = ops.quant_act_t(dy2, None, pow2)
                 dw = _wgrad(ctx.queue, ctx.param, ops.gemm, dyt_q, dyt_s, xt_q, xt_s)
         return dx, dw, None, None, None, None, None, None
 
@@ -164,12 +162,10 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
         ops, pow2 = ctx.ops, ctx.pow2
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
-            dy2 = _rows(dy)
+            dyq, dys, dyt_q, dyt_s = _quant_copies(ops, _rows(dy), tpe, pow2, *ctx.needs_input_grad[:2])
             if ctx.needs_input_grad[0]:
-                dyq, dys = ops.quant_act(dy2, pow2)
                 dx = ops.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dyt_q, dyt_s = ops.quant_act_t(dy2, tpe, pow2)
                 dw = _wgrad(ctx.queue, ctx.param, ops.grouped_wgrad, dyt_q, dyt_s, xt_q, xt_s, tpe)
         return dx, dw, None, None, None, None, None, None, None, None
 
@@ -197,9 +193,18 @@ def _quant_rows(ops, x: torch.Tensor, tokens_per_expert: torch.Tensor, pow2: boo
     """``(q, s, q_t, s_t)`` of rows ``x``: the 1×128 copy Fprop reads and, if ``transposed``, the 128×1 one
     (tiles per expert) Wgrad reads (else None, None)."""
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():   # no graph: outside a Function
-        x2 = _rows(x)
-        return (*ops.quant_act(x2, pow2),
-                *(ops.quant_act_t(x2, tokens_per_expert, pow2) if transposed else (None, None)))
+        return _quant_copies(ops, _rows(x), tokens_per_expert, pow2, True, transposed)
+
+
+def _quant_copies(ops, x2: torch.Tensor, tokens_per_expert: torch.Tensor | None, pow2: bool, rows: bool,
+                  cols: bool) -> tuple:
+    """``(q, s, q_t, s_t)`` of rows ``x2``: the 1×128 copy (Fprop, Dgrad) if ``rows``, the 128×1 transposed one
+    (Wgrad; tiles per expert with ``tokens_per_expert``) if ``cols``, None where not asked. Both: one launch
+    (``quant_act_both``) that reads ``x2`` once."""
+    if rows and cols:
+        return ops.quant_act_both(x2, tokens_per_expert, pow2)
+    return (*(ops.quant_act(x2, pow2) if rows else (None, None)),
+            *(ops.quant_act_t(x2, tokens_per_expert, pow2) if cols else (None, None)))
 
 
 class FP8Linear(nn.Linear):
