@@ -158,6 +158,49 @@ def test_triton_quantisers_give_way_when_not_bit_exact(monkeypatch, caplog):
     assert qt.stride(0) == 304 != qt_ref.stride(0)      # the transposed engine's TMA-readable rows, not the reference
 
 
+def _broken_fused(real):
+    """``quant_act_both`` with one scale of its 128×1 copy off by a factor of two (a miscompile stand-in)."""
+    def fused(x, tokens_per_expert=None, pow2=False):
+        q, s, qt, st = real(x, tokens_per_expert, pow2)
+        st = st.clone()
+        st.view(-1)[0] *= 2
+        return q, s, qt, st
+    return fused
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_a_wrong_fused_quantiser_gives_way_to_the_separate_ones(backend, monkeypatch, caplog):
+    """The fused 1×128 + 128×1 quantiser runs only after its bit-exact self-check passed on the device; a wrong
+    one logs one warning line, and the namespace's two separate quantisers make the copies (unchanged bytes).
+    A right one is used as is."""
+    x, tpe = torch.randn(300, 256, device=DEV), torch.tensor([100, 0, 200], device=DEV)
+    want = ref.quant_act_both(x, tpe)
+
+    def ops_now():
+        return AutoOps(DEV, auto.cuda_engines()) if backend == "auto" else kernels.get_ops("triton")
+    def same(got, want):
+        return all(torch.equal(g.view(torch.int8), w.view(torch.int8)) for g, w in zip(got, want, strict=True))
+    fused_calls = []
+    real = quant.quant_act_both
+    monkeypatch.setattr(quant, "quant_act_both", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    ops = ops_now()
+    ops.quant_act_both(x, tpe)                                   # the self-check runs here
+    fused_calls.clear()
+    assert same(ops.quant_act_both(x, tpe), want) and fused_calls == [1]
+    selfcheck.forget()
+    monkeypatch.setattr(quant, "quant_act_both", _broken_fused(real))
+    ops = ops_now()
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        got = ops.quant_act_both(x, tpe)
+        again = ops.quant_act_both(x)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "quant_act_both" in messages[0] and "dense, pow2=False: sT (320, 2)" in messages[0], messages
+    assert same(got, want) and same(again, ref.quant_act_both(x))
+    assert again[2].stride(0) == 304                             # the Triton 128×1 kernel's layout, not the reference's
+    if backend == "auto":
+        assert "quant_act_both separate" in ops.summary()
+
+
 # ------------------------------------------------------------------------------------------------- auto
 def _wrong_gemm(a, sa, b, sb, out_dtype=torch.bfloat16):
     return ref.gemm(a, sa, b, sb, out_dtype) * 1.5
@@ -227,7 +270,7 @@ def test_cuda_engines_under_the_interpreter():
     ops = AutoOps(DEV, auto.cuda_engines())
     parts = dict(p.split(" ", 1) for p in ops.summary().split(": ", 1)[1].split(", "))
     assert "triton" in parts["gemm"].split("/") and parts["quant_act"] == parts["grouped_wgrad"] == "triton"
-    assert parts["quant_act_t"] == "triton/triton transposed"
+    assert parts["quant_act_t"] == "triton/triton transposed" and parts["quant_act_both"] == "triton"
     assert parts["gemm"] == ("torch scaled_mm/triton" if DEV.type == "cuda" else "triton")
     x, w = torch.randn(130, 256, device=DEV), torch.randn(144, 256, device=DEV)
     y = ops.gemm(*ops.quant_act(x), *ops.quant_weight(w))

@@ -118,6 +118,34 @@ def test_quant_act_t_bit_exact(counts):
     assert (q_tiles.view(200, -1)[:, padding] == 0).all()          # tile space: zero between experts
 
 
+@pytest.mark.parametrize("counts", [None, [0, 130, 5, 0, 300, 1, 0]], ids=["dense", "experts"])
+def test_quant_act_both_is_the_two_quantisers_bit_for_bit(counts):
+    """One launch, both copies: each output equals ``quant_act`` / ``quant_act_t`` (the two kernels, their
+    layouts included) and the reference, for ragged rows and columns (436 × 200), empty experts, an all-zero
+    tile, E4M3 subnormals, both scale modes, FP32 and BF16 input."""
+    tpe = None if counts is None else torch.tensor(counts, device=DEV)
+    for dtype, pow2 in ((torch.float32, False), (torch.bfloat16, True)):
+        x = extreme_rows(436, 200, dtype)
+        got = tquant.quant_act_both(x, tpe, pow2)
+        separate = (*tquant.quant_act(x, pow2), *tquant.quant_act_t(x, tpe, pow2))
+        for g, k, w in zip(got, separate, ref.quant_act_both(x, tpe, pow2), strict=True):
+            assert_bit_exact(g, k)
+            assert_bit_exact(g, w)
+            assert g.stride() == k.stride()                       # qT's TMA-readable rows too
+
+
+@pytest.mark.parametrize("shape, counts", [((1, 5), None), ((1, 5), [0, 1, 0]), ((130, 128), [0, 130]),
+                                           ((0, 256), [0, 0]), ((0, 256), None)])
+def test_quant_act_both_small_and_empty_shapes(shape, counts):
+    """A row and a column shorter than a tile, a tile plus two rows, no rows at all."""
+    tpe = None if counts is None else torch.tensor(counts, device=DEV)
+    x = rand(*shape)
+    for pow2 in (False, True):
+        got = tquant.quant_act_both(x, tpe, pow2)
+        for g, w in zip(got, (*ref.quant_act(x, pow2), *ref.quant_act_t(x, tpe, pow2)), strict=True):
+            assert_bit_exact(g, w)
+
+
 def test_tile_tables_are_memoised_per_counts_tensor_and_version():
     """The grouped kernels' tile table is computed once per counts tensor (forward and backward of a MoE layer
     share it); an in-place change of the counts, or other rows or block, makes a new, correct one."""

@@ -155,6 +155,44 @@ def tiny_model():
     return models.build(model_preset("tiny"), device=DEV, seed=0)
 
 
+@needs_triton
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "experts"])
+def test_one_quantiser_launch_for_both_copies_changes_no_byte(grouped):
+    """Where Fprop and Wgrad (forward) or Dgrad and Wgrad (backward) both read a tensor, its two FP8 copies come
+    from one ``quant_act_both`` call: y, dx and dW bit for bit what the two separate quantisers give (Triton
+    quantisers, reference GEMMs). Where one copy is needed (frozen weight), the single quantiser runs."""
+    import kernels
+    kernels.configure()
+    from kernels import quant
+    from kernels import reference as ref
+    from parallel.fp8 import _FP8GroupedLinearFn, _FP8LinearFn
+    calls = []
+    base = dict(quant_act=quant.quant_act, quant_act_t=quant.quant_act_t, quant_weight=ref.quant_weight,
+                gemm=ref.gemm, grouped_gemm=ref.grouped_gemm, grouped_wgrad=ref.grouped_wgrad)
+    fused = types.SimpleNamespace(**base, quant_act_both=lambda *a: calls.append(a[0].shape) or quant.quant_act_both(*a))
+    separate = types.SimpleNamespace(**base, quant_act_both=lambda x, tpe, pow2: (*quant.quant_act(x, pow2),
+                                                                                 *quant.quant_act_t(x, tpe, pow2)))
+    g = torch.Generator().manual_seed(5)
+    x, tpe = torch.randn(200, 256, generator=g), torch.tensor([70, 0, 130])
+    w = torch.randn(3, 136, 256, generator=g) if grouped else torch.randn(136, 256, generator=g)
+    dy = torch.randn(200, 136, generator=g)
+
+    def run(ops, w_grad=True):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_(w_grad)
+        y = (_FP8GroupedLinearFn.apply(xi, wi, tpe, ops, True, torch.float32, True) if grouped else
+             _FP8LinearFn.apply(xi, wi, ops, True, torch.float32, True))
+        y.backward(dy)
+        return y, xi.grad, wi.grad
+    want = run(separate)
+    assert calls == []
+    got = run(fused)
+    assert calls == [(200, 256), (200, 136)]                     # x in the forward, dy in the backward
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    calls.clear()
+    got = run(fused, w_grad=False)
+    assert calls == [] and torch.equal(got[1], want[1]) and got[2] is None
+
+
 def test_apply_fp8_swaps_by_name_and_keeps_parameters():
     model = tiny_model()
     params = dict(model.named_parameters())
