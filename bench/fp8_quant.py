@@ -1,5 +1,6 @@
-"""Time the FP8 quantisation kernels (1×128 activations, 128×1 transposed, 128×128 weights) in GB/s
-against a same-size device copy (the bandwidth ceiling) and the plain-torch reference, in one run.
+"""Time the FP8 quantisation kernels (1×128 activations, 128×1 transposed, both from one launch, 128×128
+weights) in GB/s against a same-size device copy (the bandwidth ceiling) and the plain-torch reference, in
+one run; the two activation quantisers one after the other are timed too, beside the fused launch.
 
     python -m bench.fp8_quant
     python -m bench.fp8_quant --shapes 16384x7168 --pow2
@@ -16,7 +17,8 @@ from bench import common
 from bench.common import base_parser, fmt, parse_shapes, past, print_table, require_cuda, try_time
 
 DEFAULT_SHAPES = [(4096, 7168), (16384, 7168), (4096, 2048), (16384, 2048), (7168, 18432)]
-KERNELS = ("act 1x128", "act 128x1 (T)", "weight 128x128", "weight +T copy")
+KERNELS = ("act 1x128", "act 128x1 (T)", "act both, 1 launch", "act both, 2 launches", "weight 128x128",
+           "weight +T copy")
 
 
 def _bit_exact(got, want) -> bool:
@@ -45,11 +47,16 @@ def measure(shapes, pow2: bool = False, deadline: float | None = None, seed: int
         copy_src, copy_dst = x.view(-1), torch.empty_like(x).view(-1)
         t_copy, why_copy = try_time(lambda: copy_dst.copy_(copy_src))
         copy_gbs = None if t_copy is None else 4 * R * C / t_copy / 1e6
+        both = R * C * 4 + (R * -(-C // 128) + C * -(-R // 128)) * 4     # x read once, two copies written
         cases = {
             "act 1x128": (lambda: tquant.quant_act(x, pow2), lambda: ref.quant_act(x, pow2),
                           R * C * 3 + R * -(-C // 128) * 4),
             "act 128x1 (T)": (lambda: tquant.quant_act_t(x, None, pow2),
                               lambda: ref.quant_act_t(x, None, pow2), R * C * 3 + C * -(-R // 128) * 4),
+            "act both, 1 launch": (lambda: tquant.quant_act_both(x, None, pow2),
+                                   lambda: ref.quant_act_both(x, None, pow2), both),
+            "act both, 2 launches": (lambda: (*tquant.quant_act(x, pow2), *tquant.quant_act_t(x, None, pow2)),
+                                     lambda: ref.quant_act_both(x, None, pow2), both),
             "weight 128x128": (lambda: tquant.quant_weight(x, pow2), lambda: ref.quant_weight(x, pow2),
                                R * C * 3),
             "weight +T copy": (lambda: tquant.quant_weight(x, pow2, transpose=True),

@@ -38,7 +38,7 @@ def part_engines(ctx: Ctx, part: Part) -> None:
                             ("grouped_wgrad", grouped_gemm.self_check_wgrad))
               for name, v in gemm.VARIANTS.items()]
     checks += [(op, "triton", lambda op=op: quant.self_check(op, dev), 0.0)
-               for op in ("quant_act", "quant_act_t", "quant_weight")]
+               for op in ("quant_act", "quant_act_t", "quant_act_both", "quant_weight")]
     checks.append(("quant_act_t", "transposed",
                    lambda: quant.self_check("quant_act_t", dev, quant.quant_act_t_transposed), 0.0))
     if not torch_gemm.unavailable(dev):

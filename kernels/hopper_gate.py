@@ -57,7 +57,8 @@ CONTROL = "control: gemm fprop, num_stages=1"
 # are multiples of 16 and the dtypes; the ragged counts are data the kernels read at run time.
 TOKENS, HIDDEN, INTER = 4096, 7168, 2048
 EXPERT_TOKENS = (0, 700, 1, 1499, 0, 513, 1300, 83)
-QUANT_KERNELS = ("_cast_kernel", "_quant_act_kernel", "_quant_act_t_kernel", "_quant_weight_kernel")
+QUANT_KERNELS = ("_cast_kernel", "_quant_act_kernel", "_quant_act_t_kernel", "_quant_weight_kernel",
+                 "_quant_act_both_kernel")
 IEEE_KERNELS = ("_adamw_kernel",)       # the optimizer: torch's AdamW to FP32 rounding needs IEEE div and sqrt
 
 
@@ -90,7 +91,7 @@ def launches() -> list[Launch]:
 
     kernels = [quant._cast_kernel, quant._quant_act_kernel, quant._quant_act_t_kernel, quant._quant_weight_kernel,
                gemm._gemm_kernel, grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_wgrad_kernel,
-               _adamw_kernels._adamw_kernel]
+               _adamw_kernels._adamw_kernel, quant._quant_act_both_kernel]
     out, name = [], [""]
 
     def meta(*shape, dtype=torch.bfloat16):
@@ -138,6 +139,9 @@ def launches() -> list[Launch]:
             call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
         _optimizer_launches(call, meta, F * H)
+        # both copies of one tensor in one launch (parallel/fp8.py when Fprop/Dgrad and Wgrad both read it)
+        call("linear fprop+wgrad, both copies", quant.quant_act_both, meta(T, H), None)
+        call("experts dgrad+wgrad, both copies", quant.quant_act_both, meta(R, F), tpe)
     return out
 
 

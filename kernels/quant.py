@@ -256,7 +256,7 @@ def quant_act_both(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = Non
     if n and C:                         # 128×128 blocks: a row's 1×128 scale needs the K-tile's 128 columns
         _quant_act_both_kernel[(n, cdiv(C, TILE))](
             x, q, s, qt, st, *(table or (s, s)), C, cols, x.stride(0), q.stride(0), s.stride(0), qt.stride(0),
-            st.stride(0), POW2=pow2, HW=_hw_cast(), DENSE=table is None, num_warps=8)
+            st.stride(0), POW2=pow2, HW=_hw_cast(), DENSE=table is None, num_warps=16)
     return q, s, qt, st
 
 
