@@ -194,9 +194,10 @@ def test_a_wrong_fused_quantiser_gives_way_to_the_separate_ones(backend, monkeyp
         got = ops.quant_act_both(x, tpe)
         again = ops.quant_act_both(x)
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 1 and "quant_act_both" in messages[0] and "dense, pow2=False: sT (320, 2)" in messages[0], messages
+    assert len(messages) == 1, messages
+    assert "quant_act_both" in messages[0] and "dense, pow2=False: sT (320, 2)" in messages[0], messages
     assert same(got, want) and same(again, ref.quant_act_both(x))
-    assert again[2].stride(0) == 304                             # the Triton 128×1 kernel's layout, not the reference's
+    assert again[2].stride(0) == 304                    # the Triton 128×1 kernel's layout, not the reference's
     if backend == "auto":
         assert "quant_act_both separate" in ops.summary()
 

@@ -169,7 +169,8 @@ def test_one_quantiser_launch_for_both_copies_changes_no_byte(grouped):
     calls = []
     base = dict(quant_act=quant.quant_act, quant_act_t=quant.quant_act_t, quant_weight=ref.quant_weight,
                 gemm=ref.gemm, grouped_gemm=ref.grouped_gemm, grouped_wgrad=ref.grouped_wgrad)
-    fused = types.SimpleNamespace(**base, quant_act_both=lambda *a: calls.append(a[0].shape) or quant.quant_act_both(*a))
+    fused = types.SimpleNamespace(**base,
+                                  quant_act_both=lambda *a: calls.append(a[0].shape) or quant.quant_act_both(*a))
     separate = types.SimpleNamespace(**base, quant_act_both=lambda x, tpe, pow2: (*quant.quant_act(x, pow2),
                                                                                  *quant.quant_act_t(x, tpe, pow2)))
     g = torch.Generator().manual_seed(5)
