@@ -139,9 +139,8 @@ def launches() -> list[Launch]:
             call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
         _optimizer_launches(call, meta, F * H)
-        # both copies of one tensor in one launch (parallel/fp8.py when Fprop/Dgrad and Wgrad both read it)
-        call("linear fprop+wgrad, both copies", quant.quant_act_both, meta(T, H), None)
-        call("experts dgrad+wgrad, both copies", quant.quant_act_both, meta(R, F), tpe)
+        call("linear fprop+wgrad, both copies in one launch", quant.quant_act_both, meta(T, H), None)
+        call("experts dgrad+wgrad, both copies in one launch", quant.quant_act_both, meta(R, F), tpe)
     return out
 
 
