@@ -97,11 +97,7 @@ def usable(device: torch.device | str) -> bool:
 
 def verified(device: torch.device) -> bool:
     """The self-check's verdict on ``device`` (run once per device; a failed check logs one warning)."""
-    verdict, fresh = selfcheck.check("adamw", "triton", device, lambda: self_check(device), CHECK_TOL)
-    if fresh and not verdict.ok:
-        selfcheck.log.warning("adamw self-check failed on %s: %s; using torch's AdamW instead",
-                              selfcheck.device_id(device), verdict.why)
-    return verdict.ok
+    return selfcheck.verified("adamw", device, lambda: self_check(device), CHECK_TOL, "adamw", "torch's AdamW")
 
 
 def self_check(device: torch.device) -> float:

@@ -48,11 +48,8 @@ def triton_cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, block_
 
 
 def _verified(device: torch.device) -> bool:
-    verdict, fresh = selfcheck.check("cross_entropy", "triton", device, lambda: self_check(device), CHECK_TOL)
-    if fresh and not verdict.ok:
-        selfcheck.log.warning("cross-entropy self-check failed on %s: %s; using F.cross_entropy instead",
-                              selfcheck.device_id(device), verdict.why)
-    return verdict.ok
+    return selfcheck.verified("cross_entropy", device, lambda: self_check(device), CHECK_TOL, "cross-entropy",
+                              "F.cross_entropy")
 
 
 def self_check(device: torch.device) -> float:

@@ -98,18 +98,25 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
 
 
 @triton.jit
-def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
-                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr, DENSE: tl.constexpr):
-    # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense
-    # (Q_COLS = R masks the last tile; the tile bounds follow from t, no tile table is read), the zero-padded
-    # tile slot in tile space (Q_COLS = n·T, no mask; bounds from the table).
-    t = tl.program_id(0)
+def _tile_rows(t, row_start_ptr, row_end_ptr, Q_COLS, DENSE: tl.constexpr):
+    # Tile t's rows [rs, re) of x: 128 rows from t·T when dense (Q_COLS = R masks the last tile; no tile table is
+    # read), else the per-expert tile table's bounds.
     if DENSE:
         rs = t * _TILE
         re = Q_COLS
     else:
         rs = tl.load(row_start_ptr + t)
         re = tl.load(row_end_ptr + t)
+    return rs, re
+
+
+@triton.jit
+def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
+                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr, DENSE: tl.constexpr):
+    # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense, the
+    # zero-padded tile slot in tile space (Q_COLS = n·T, no mask).
+    t = tl.program_id(0)
+    rs, re = _tile_rows(t, row_start_ptr, row_end_ptr, Q_COLS, DENSE)
     offs_r = rs + tl.arange(0, _TILE)
     cols = t * _TILE + tl.arange(0, _TILE)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -130,12 +137,7 @@ def _quant_act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_start_ptr, r
     # ways: along the row (1×T, into q/s in token order) and along the column (T×1, into qT/sT). Every row of
     # x is in exactly one tile, so each row's 1×T tiles are quantised once.
     t, k = tl.program_id(0), tl.program_id(1)
-    if DENSE:
-        rs = t * _TILE
-        re = Q_COLS
-    else:
-        rs = tl.load(row_start_ptr + t)
-        re = tl.load(row_end_ptr + t)
+    rs, re = _tile_rows(t, row_start_ptr, row_end_ptr, Q_COLS, DENSE)
     offs_r = rs + tl.arange(0, _TILE)
     cols = t * _TILE + tl.arange(0, _TILE)
     offs_c = k * _TILE + tl.arange(0, _TILE)

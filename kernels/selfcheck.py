@@ -112,6 +112,15 @@ def check(kernel: str, variant: str, device: torch.device | str, run: Callable[[
     return verdict, True
 
 
+
+def verified(kernel: str, device: torch.device, run: Callable[[], float], tol: float, label: str, instead: str) -> bool:
+    """``check``'s verdict for the single-variant kernel ``kernel`` (its ``triton`` variant) on ``device``; a
+    fresh failure logs one warning: ``<label> self-check failed on <device>: <why>; using <instead> instead``."""
+    verdict, fresh = check(kernel, "triton", device, run, tol)
+    if fresh and not verdict.ok:
+        log.warning("%s self-check failed on %s: %s; using %s instead", label, device_id(device), verdict.why, instead)
+    return verdict.ok
+
 def first_verified(kernel: str, variants: Sequence[tuple[str, Any]], device: torch.device | str,
                    run: Callable[[Any], float], tol: float = GEMM_TOL) -> tuple[str, Any]:
     """The first ``(name, variant)`` whose check passes on ``device`` (``run(variant)`` -> error); one warning
