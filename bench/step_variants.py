@@ -5,8 +5,9 @@ Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's cl
 B compiled regions with torch's AdamW, C the trainer's step on CUDA (``train.compile=auto``, the Triton AdamW),
 D C in FP8, E C at batch 8. All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated,
 random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time
-(a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, and the
-top GPU kernels of one profiled step. Needs CUDA (and omegaconf for the presets: the carried wheels).
+(a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU
+kernels of one profiled step, and with ``--host-profile N`` the N functions with the most own host time. Needs
+CUDA (and omegaconf for the presets: the carried wheels).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch)
 
 
 def line(key: str, r: dict) -> list[str]:
-    out = [f"{key} {VARIANTS[key][0]}: batch {r['batch']} step {r['step_s'] * 1e3:.1f} ms (host {r['host_s'] * 1e3:.1f}) "
+    out = [f"{key} {VARIANTS[key][0]}: batch {r['batch']} step {r['step_s'] * 1e3:.1f} ms "
+           f"(host {r['host_s'] * 1e3:.1f}) "
            f"MFU {r['mfu']:.1%} tok/s {r['tokens_per_s']:.0f} peak {r['peak_gb']:.1f} GB loss {r['loss']:.4f} "
            f"times {[round(t * 1e3, 1) for t in r['step_times_s']]}"]
     p = r.get("profile") or {}
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="A,C,D,E")
     ap.add_argument("--deadline-s", type=float, default=300.0, help="start no variant after this many seconds")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also cProfile one step per variant and print its N functions with the most own time")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench.step_variants needs a CUDA device", file=sys.stderr)
@@ -56,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             res[key] = measure_step_fitting(cfg, precision, batch, 2048, "cuda", iters=4 if batch == 4 else 2,
-                                            profile=batch == 4, head_loss="fused", compile=compile_mode, adamw=adamw)
+                                            profile=batch == 4, head_loss="fused", compile=compile_mode, adamw=adamw,
+                                            host_profile=args.host_profile)
             print("\n".join(line(key, res[key])), flush=True)
+            if res[key]["host_profile"]:
+                print(res[key]["host_profile"], flush=True)
         except Exception as e:   # noqa: BLE001 - report and go on to the next variant
             print(f"{key} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         torch.cuda.empty_cache()

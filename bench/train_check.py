@@ -191,12 +191,14 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
                  seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto",
-                 adamw: str = "auto") -> dict:
+                 adamw: str = "auto", host_profile: int = 0) -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
     last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``), ``compile`` ``train.compile``
     (``parallel.compile``); ``adamw``: ``auto`` (the trainer's optimizer: the Triton AdamW on CUDA after its
-    self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces)."""
+    self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces).
+    ``host_profile``: the ``host_profile`` entry holds the top functions by own time of one more step under
+    ``cProfile`` (the host side: Python, dispatch, launches)."""
     import torch
 
     import models
@@ -242,6 +244,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     times, host, loss = _timed_steps(step, dev, warmup, iters)
     step_s = statistics.median(times)
     prof = profile_step(step, dev, step_s) if profile else None
+    host_top = host_profile_step(step, dev, host_profile) if host_profile else None
     tokens = batch * seq
     fpt = flops_per_token(cfg, seq).per_token
     tps = tokens / step_s
@@ -249,7 +252,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     del model, opt, ids, inputs, labels
     return {"precision": precision, "head_loss": head_loss, "compile": compile, "adamw": adamw, "batch": batch,
             "seq": seq, "tokens": tokens, "step_s": step_s, "host_s": statistics.median(host), "step_times_s": times,
-            "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12, "mfu": mfu(tps, fpt), "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof}
+            "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12, "mfu": mfu(tps, fpt),
+            "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof, "host_profile": host_top}
 
 
 def profile_step(step, dev, step_s: float, top: int = 12) -> dict:
@@ -274,6 +278,29 @@ def profile_step(step, dev, step_s: float, top: int = 12) -> dict:
             for e in kernels[:top]]
     return {"busy_ms": busy_us / 1e3, "busy_fraction": busy_us / 1e6 / step_s, "launches": sum(e.count for e in kernels),
             "top": rows}
+
+
+def host_profile_step(step, dev, top: int) -> str:
+    """One more ``step`` under ``cProfile``: the ``top`` functions by own time, as ``pstats`` prints them, and the
+    step's host time and wall time under the profiler."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
+    sync(dev)
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    step()
+    host = time.perf_counter() - t0
+    pr.disable()
+    sync(dev)
+    wall = time.perf_counter() - t0
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+    return f"under cProfile: host {host * 1e3:.1f} ms, wall {wall * 1e3:.1f} ms\n" + out.getvalue()
 
 
 def _timed_steps(step, dev, warmup: int, iters: int) -> tuple[list[float], list[float], float]:

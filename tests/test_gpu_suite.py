@@ -298,9 +298,11 @@ def test_reduced_config_and_step_on_cpu():
     cfg = tc.reduced_config("v3_small", 4)
     assert cfg.n_layers == 4 and cfg.dim == 1024 and cfg.n_routed_experts == 64 and cfg.mtp_depth == 1
     tiny = tc.reduced_config("tiny", 1)
-    r = tc.measure_step(tiny, "bf16", batch=2, seq=32, device="cpu", warmup=1, iters=2)
+    r = tc.measure_step(tiny, "bf16", batch=2, seq=32, device="cpu", warmup=1, iters=2, adamw="torch", host_profile=5)
     from models.params import flops_per_token
     assert r["tokens"] == 64 and len(r["step_times_s"]) == 2 and r["finite"]
+    assert 0 < r["host_s"] <= r["step_s"] and r["adamw"] == "torch" and r["compile"] == "auto"
+    assert r["host_profile"].startswith("under cProfile: host ") and "tottime" in r["host_profile"]
     assert r["tokens_per_s"] == pytest.approx(64 / r["step_s"])
     assert r["flops_per_token"] == flops_per_token(tiny, 32).per_token
     assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 989e12)
