@@ -147,6 +147,21 @@ def test_fused_adamw_reads_and_writes_each_tensor_once():
     assert totals(fused, "phase")["optimizer"].seconds < 0.6 * totals(foreach, "phase")["optimizer"].seconds
 
 
+# The full 12-layer v3_small step on one H100 (docs/log/2026-11-27-h100-lean-step.md, bench.step_variants): GPU busy
+# time (summed kernel time of one profiled step) and wall time, ms. The step waits for the host, so the wall is
+# longer than the kernels; the roofline predicts the kernels.
+MEASURED_12_BUSY_WALL = {"eager, torch's AdamW": (170.0, 184.8), "compiled regions, Triton AdamW": (121.7, 156.6)}
+
+
+@pytest.mark.parametrize("variant", sorted(MEASURED_12_BUSY_WALL))
+def test_v3_small_prediction_is_the_measured_gpu_busy_time(variant):
+    overrides = ["+exp=v3_small"] + (["train.compile=off"] if variant.startswith("eager") else [])
+    rec, _ = record_step(compose(overrides), 12, adamw_kernel=not variant.startswith("eager"))
+    step = sum(s.seconds for s in totals(rec, "phase").values()) * 1e3
+    busy, wall = MEASURED_12_BUSY_WALL[variant]
+    assert abs(step / busy - 1) < 0.10 and step < wall, (variant, step, busy, wall)
+
+
 def test_fp8_is_refused_with_one_line(capsys):
     assert roofline.main(["+exp=tiny", "train.precision=fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
