@@ -111,7 +111,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
         if _weighing(m):
             m.dispatcher.weigh = Region(unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
-        base = next((c for c in FORWARDS if type(m) is c or getattr(type(m), "compiled_from", None) is c), None)
+        if getattr(type(m), "compiled_from", None) is not None:   # compiled before (maybe recomputed since)
+            names.append(name)
+            continue
+        base = next((c for c in FORWARDS if type(m) is c), None)
         if base is None:
             continue
         key = (base, backend)

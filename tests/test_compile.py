@@ -79,6 +79,8 @@ def test_compiled_regions_recompute():
     done = apply_recompute(model, "selective")
     assert done == regions(model) and any(r.endswith("ffn_norm.forward") for r in done)
     assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm"
+    assert len(apply_compile(model, backend="aot_eager")) == 33 + 4     # again: nothing undone
+    assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm" and regions(model) == done
     assert len(compiled(model)) == 33 + 4
     assert_same(ref, loss_and_grads(model))
 
