@@ -31,6 +31,8 @@ Divisions use ``div_rn`` (IEEE), as the reference's tensor divisions do on CUDA 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -98,25 +100,18 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
 
 
 @triton.jit
-def _tile_rows(t, row_start_ptr, row_end_ptr, Q_COLS, DENSE: tl.constexpr):
-    # Tile t's rows [rs, re) of x: 128 rows from t·T when dense (Q_COLS = R masks the last tile; no tile table is
-    # read), else the per-expert tile table's bounds.
+def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
+                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr, DENSE: tl.constexpr):
+    # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense
+    # (Q_COLS = R masks the last tile; the tile bounds follow from t, no tile table is read), the zero-padded
+    # tile slot in tile space (Q_COLS = n·T, no mask; bounds from the table).
+    t = tl.program_id(0)
     if DENSE:
         rs = t * _TILE
         re = Q_COLS
     else:
         rs = tl.load(row_start_ptr + t)
         re = tl.load(row_end_ptr + t)
-    return rs, re
-
-
-@triton.jit
-def _quant_act_t_kernel(x_ptr, q_ptr, s_ptr, row_start_ptr, row_end_ptr, C, Q_COLS, stride_xr, stride_qc, stride_sc,
-                        BLOCK_C: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr, DENSE: tl.constexpr):
-    # Tile t (rows [rs, re) of x) goes to columns [t·T, t·T + T) of qT: the tokens themselves when dense, the
-    # zero-padded tile slot in tile space (Q_COLS = n·T, no mask).
-    t = tl.program_id(0)
-    rs, re = _tile_rows(t, row_start_ptr, row_end_ptr, Q_COLS, DENSE)
     offs_r = rs + tl.arange(0, _TILE)
     cols = t * _TILE + tl.arange(0, _TILE)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -137,7 +132,12 @@ def _quant_act_both_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, row_start_ptr, r
     # ways: along the row (1×T, into q/s in token order) and along the column (T×1, into qT/sT). Every row of
     # x is in exactly one tile, so each row's 1×T tiles are quantised once.
     t, k = tl.program_id(0), tl.program_id(1)
-    rs, re = _tile_rows(t, row_start_ptr, row_end_ptr, Q_COLS, DENSE)
+    if DENSE:
+        rs = t * _TILE
+        re = Q_COLS
+    else:
+        rs = tl.load(row_start_ptr + t)
+        re = tl.load(row_end_ptr + t)
     offs_r = rs + tl.arange(0, _TILE)
     cols = t * _TILE + tl.arange(0, _TILE)
     offs_c = k * _TILE + tl.arange(0, _TILE)
@@ -243,6 +243,16 @@ def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, 
             x, q, s, *(table or (s, s)), C, cols, x.stride(0), q.stride(0), s.stride(0), BLOCK_C=block_c, POW2=pow2,
             HW=_hw_cast(), DENSE=table is None, num_warps=4)
     return q, s
+
+
+FUSED_ENV = "DSV3_FUSED_QUANT"   # "1": the op namespaces may use quant_act_both on a GPU (opt-in, self-checked)
+
+
+def fused_enabled(device: torch.device | str) -> bool:
+    """Whether the op namespaces may run ``quant_act_both`` on ``device``. No GPU has run it yet, so on CUDA it is
+    opt-in (``DSV3_FUSED_QUANT=1``; the GPU suite's kernel tests set it) until one has verified and timed it;
+    elsewhere (the interpreter, meta tensors for the Hopper gate) it runs, so its tests cover it."""
+    return torch.device(device).type != "cuda" or os.environ.get(FUSED_ENV) == "1"
 
 
 def quant_act_both(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, pow2: bool = False
