@@ -111,7 +111,10 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
     if not ok:
         part.notes.append(f"without omegaconf (its tests skip): {why}")
     try:
-        proc = run_cmd(cmd, env=env_with_path(site), timeout=budget)
+        import kernels
+        kernels.configure()                   # before a kernel module is imported
+        from kernels.quant import FUSED_ENV   # the opt-in fused quantiser is verified here, not yet a default
+        proc = run_cmd(cmd, env={**env_with_path(site), FUSED_ENV: "1"}, timeout=budget)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = None, (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")

@@ -105,7 +105,8 @@ def triton_ops() -> types.SimpleNamespace:
 
     @functools.wraps(quant.quant_act_both)
     def quant_act_both(x, tokens_per_expert=None, pow2=False):
-        if x.device.type == "meta" or auto.triton_quant_exact("quant_act_both", x.device):
+        if x.device.type == "meta" or (quant.fused_enabled(x.device)
+                                       and auto.triton_quant_exact("quant_act_both", x.device)):
             return quant.quant_act_both(x, tokens_per_expert, pow2)
         return (*quant_act(x, pow2), *quant_act_t(x, tokens_per_expert, pow2))
 

@@ -70,7 +70,9 @@ class AutoOps:
     def quant_act_both(self, x, tokens_per_expert=None, pow2=False):
         """The fused kernel where it passed its self-check here, else this namespace's two quantisers (so each
         copy comes from the engine its own op chose)."""
-        fused = self.passed("quant_act_both")[0] if "quant_act_both" in self.engines else None
+        from . import quant
+        fused = self.passed("quant_act_both")[0] \
+            if "quant_act_both" in self.engines and quant.fused_enabled(x.device) else None
         if fused is None or fused.fallback:
             return (*self.quant_act(x, pow2), *self.quant_act_t(x, tokens_per_expert, pow2))
         return fused.fn(x, tokens_per_expert, pow2)

@@ -327,3 +327,12 @@ def test_torch_gemm_meets_cublaslt_scale_layouts(monkeypatch):
     assert not torch_gemm.accepts(a, sa, wq_t.t(), ws)                            # not K-contiguous
     with pytest.raises(ValueError, match="multiple of 128"):
         torch_gemm.gemm(*operands(K=320))
+
+
+def test_the_fused_quantiser_is_opt_in_on_cuda(monkeypatch):
+    """``quant_act_both`` has not run on a GPU yet: on CUDA the op namespaces use it only with DSV3_FUSED_QUANT=1
+    (the GPU suite's kernel tests set it); the interpreter and the Hopper gate's meta tensors always may."""
+    monkeypatch.delenv(quant.FUSED_ENV, raising=False)
+    assert not quant.fused_enabled("cuda") and quant.fused_enabled("cpu") and quant.fused_enabled("meta")
+    monkeypatch.setenv(quant.FUSED_ENV, "1")
+    assert quant.fused_enabled(torch.device("cuda", 0))

@@ -147,7 +147,7 @@ def test_fused_adamw_reads_and_writes_each_tensor_once():
     assert totals(fused, "phase")["optimizer"].seconds < 0.6 * totals(foreach, "phase")["optimizer"].seconds
 
 
-# The full 12-layer v3_small step on one H100 (docs/log/2026-11-27-h100-lean-step.md, bench.step_variants): GPU busy
+# The full 12-layer v3_small step on one H100 (docs/log/, the lean-step session; bench.step_variants): GPU busy
 # time (summed kernel time of one profiled step) and wall time, ms. The step waits for the host, so the wall is
 # longer than the kernels; the roofline predicts the kernels.
 MEASURED_12_BUSY_WALL = {"eager, torch's AdamW": (170.0, 184.8), "compiled regions, Triton AdamW": (121.7, 156.6)}
