@@ -93,6 +93,21 @@ def test_first_failure_is_the_first_to_end_among_those_the_agent_did_not_end():
     assert first_failure({0: _failure(10, 75), 1: hung}, {10: 1.0, 11: 31.0}, {11}) == (1, hung)
 
 
+def test_config_error_is_the_one_line_while_a_peer_is_still_starting(tmp_path):
+    """Rank 0 fails its config (exit 2) while rank 1 is still in start-up (here: held in its stop handlers'
+    first mode, as while importing torch on a loaded node). The agent's closing SIGTERM to rank 1 is no stop
+    request: rank 1 leaves without its start-up stop line, and the config error is the only line."""
+    starting = ("import os, time; from trainer.lifecycle import StartupStops; "
+                "StartupStops(int(os.environ['RANK'])).install(); time.sleep(60)")
+    slow = ["bash", "-c", f'if [ "$RANK" = 1 ]; then exec {sys.executable} -c "{starting}"; fi; exec "$@"', "slow"]
+    tr = launch(tmp_path / "run", tmp_path / "cache", wrap=slow, overrides=["optim.eps=0"])
+    t0 = time.monotonic()
+    out, err = finish(tr, timeout=60)
+    assert tr.returncode == 2, err[-3000:]
+    assert err.strip().splitlines() == ["error: optim.eps: must be finite and > 0, got 0"], err[-3000:]
+    assert time.monotonic() - t0 < 45, "rank 1 was not ended by the launcher"
+
+
 # ---- stop signals to the launcher -----------------------------------------------------------------------------
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signal_to_the_launcher_saves_and_exits_75(tmp_path, sig):

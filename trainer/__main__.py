@@ -197,7 +197,9 @@ def _stop_in_startup(stops: StartupStops, name: str) -> NoReturn:
     line, the process group destroyed (no barrier: the peers got the same signal, or torchrun ends them), exit 75
     (EX_TEMPFAIL: the sbatch script requeues)."""
     stops.finishing()   # a second signal now changes nothing
-    print(stopped_in_startup(stops.rank, name), file=sys.stderr, flush=True)
+    line = stopped_in_startup(stops.rank, name)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -126,7 +126,9 @@ class StartupStops:
             return
         self.signal = name
         if self.mode == "exit":
-            _say(stopped_in_startup(self.rank, name))
+            line = stopped_in_startup(self.rank, name)
+            if line:
+                _say(line)
             os._exit(EXIT_STOPPED)
         raise StartupInterrupted(name)
 
@@ -148,7 +150,23 @@ def ignore_stops() -> None:
             signal.signal(s, signal.SIG_IGN)
 
 
-def stopped_in_startup(rank: int, name: str) -> str:
+CLOSING_DIR_ENV = "DSV3_LAUNCHER_CLOSING"
+
+
+def closed_by_launcher(pid: int | None = None) -> bool:
+    """Whether ``python -m trainer.torchrun`` is ending this worker because another one failed: its agent sends
+    the closing signal (SIGTERM) to every worker still running, and the launcher notes each one first, as a
+    file named by the worker's pid in the directory it hands its workers (``DSV3_LAUNCHER_CLOSING``). That
+    signal is no stop request: the launcher names the worker that failed."""
+    closing = os.environ.get(CLOSING_DIR_ENV)
+    return bool(closing) and os.path.exists(os.path.join(closing, str(pid or os.getpid())))
+
+
+def stopped_in_startup(rank: int, name: str) -> str | None:
+    """The line for a stop signal during start-up; None when the launcher is ending this worker because another
+    failed (``closed_by_launcher``: the failed worker's own line is the one to read)."""
+    if closed_by_launcher():
+        return None
     return (f"rank {rank}: {name} received during start-up: stopped before the first step, no checkpoint needed "
             f"(exit code {EXIT_STOPPED}; resume with checkpoint.resume=auto)")
 

@@ -7,6 +7,9 @@ code. Nothing a worker does shortens that: writing the elastic error file (``@re
 ``TORCHELASTIC_ERROR_FILE``) only adds the worker's traceback to the report. This one exits with the first
 failed worker's code (2 config error, 3 failed, ...; 128 + N for a worker killed by signal N) and prints one
 line naming that worker, or nothing for a config error (rank 0 has printed it: ``trainer/__main__.py``).
+The workers that the agent then ends with its closing SIGTERM are told so (``DSV3_LAUNCHER_CLOSING``,
+``trainer.lifecycle.closed_by_launcher``): one still starting up leaves without its start-up stop line, which
+would read as a stop request to resume from.
 
 The first failed worker is the first to end, by time (``ExitWatch``, to about 10 ms), among those that failed
 on their own. Torch's choice is not: it stamps failures in whole seconds when its agent polls, so a worker
@@ -42,14 +45,17 @@ import glob
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
-from trainer.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED
+from trainer.lifecycle import CLOSING_DIR_ENV, EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
 
 PROBE_S = 15.0   # how long a store that holds the endpoint has to answer
@@ -210,11 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     # N closing signal SIGTERM" to the others): the line below says which worker failed first. The second
     # names the workers the agent ends itself, which are never that one.
     closed: set[int] = set()
+    # ... and tells those workers so (trainer.lifecycle.closed_by_launcher): their stop line would read as a
+    # stop request to resume from, above the failed worker's own line.
+    closing = tempfile.mkdtemp(prefix="dsv3-closing-")
+    os.environ[CLOSING_DIR_ENV] = closing
 
     def quiet(record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        if msg.startswith("Sending process") and record.args:
+        if msg.startswith("Sending process") and record.args:   # logged just before the signal is sent
             closed.add(int(record.args[0]))
+            Path(closing, str(record.args[0])).touch()
         return not msg.startswith(("failed (exitcode", "Sending process"))
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     watch = ExitWatch()
@@ -250,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
               f"complete within {_join_timeout(args)}: fewer than --nnodes={args.nnodes} nodes joined; check that "
               "every node's launcher started and reaches that endpoint", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        shutil.rmtree(closing, ignore_errors=True)
     return 0
 
 
