@@ -14,3 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long tests (``@pytest.mark.slow``) first, in their collected order: under ``-n 2`` a two-minute test that
+    starts last leaves the other worker idle for its length at the end of the run."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from checkpoint.integrity import verify_local
 from checkpoint.manager import CheckpointManager
@@ -170,6 +171,7 @@ def _start_pair(run: Path, data: Path, cache: Path, logs: Path, name: str) -> tu
     return owner, other
 
 
+@pytest.mark.slow
 def test_chaos_run_ends_with_the_uninterrupted_losses(tmp_path):
     data, cache, logs = _dataset(tmp_path / "data"), tmp_path / "cache", tmp_path / "logs"
     logs.mkdir()

@@ -357,6 +357,7 @@ def test_killed_peer_makes_the_other_rank_exit_at_once(tmp_path):
     print(f"killed peer: rank 0 exited {waited:.1f} s later: {line}")
 
 
+@pytest.mark.slow
 def test_stopped_worker_under_torchrun_ends_the_job(tmp_path):
     """Under torchrun the waiting worker exits 3 after the timeout and torchrun then ends the job (it kills
     the stopped worker after its own grace period)."""

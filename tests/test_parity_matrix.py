@@ -62,6 +62,7 @@ def _worker(rank, world, overrides, out_dir):
         (out_dir / "got.json").write_text(json.dumps(got))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_schedule_overlap_and_recompute_matches_single_device(tmp_path, layout):
     world, overrides = LAYOUTS[layout]

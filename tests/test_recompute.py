@@ -337,6 +337,7 @@ def test_trainer_losses_equal_with_each_mode(tmp_path):
     (2, ("parallel.zero=1", "train.recompute=selective")),
     (4, ("parallel.zero=1", "parallel.pp=2", "parallel.ep=2", "parallel.schedule=dualpipe", "train.recompute=full")),
 ], ids=["zero1-dp2-selective", "zero1-dualpipe-ep2-full"])
+@pytest.mark.slow
 def test_trainer_layouts_with_recompute_match_single_device(tmp_path, nproc, overrides):
     single = run_torchrun(tmp_path, "single", 1, "optim.moment_dtype=fp32", steps=4)
     got = run_torchrun(tmp_path, "layout", nproc, "optim.moment_dtype=fp32", *overrides, steps=4)

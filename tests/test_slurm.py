@@ -122,6 +122,7 @@ def resumed_step(rank0_log: str) -> int:
     return int(found[0][1])
 
 
+@pytest.mark.slow
 def test_sbatch_usr1_checkpoints_requeues_and_resumes_like_uninterrupted(cluster, tmp_path, cache):
     """Acceptance: 2 ranks (srun tasks). SIGUSR1 to the job's steps mid-run, as `#SBATCH --signal=USR1@300`
     sends it 300 s before the time limit: the ranks finish the step, save a checkpoint (no periodic ones

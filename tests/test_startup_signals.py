@@ -64,6 +64,7 @@ def test_signal_while_importing_exits_75_with_one_line(tmp_path, sig, delay):
     assert len(lines) == 1 and sig.name in lines[0] and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_signal_while_loading_releases_the_lock_and_exits_75(tmp_path):
     proc = _start(tmp_path)                      # a fresh data.cache_dir: the tokenizer is trained first (seconds)
     _wait_for(tmp_path / "run" / OWNER_FILE, proc)   # the trainer exists and holds the run directory

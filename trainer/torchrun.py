@@ -198,6 +198,21 @@ def _join_timeout(args) -> str:
     return f"{RendezvousTimeout().join.total_seconds():.0f} s (torch's default; --rdzv-conf join_timeout=<s> sets it)"
 
 
+def _quiet_agent(closed: set[int], closing: str) -> None:
+    """Drop the agent's routine lines when a worker fails ("failed (exitcode: N) local_rank: ...", "Sending
+    process N closing signal SIGTERM" to the others): the launcher's own line says which worker failed first.
+    The second names the workers the agent ends itself, which are never that one: their pids go to ``closed``,
+    and a file per pid in ``closing`` tells those workers (``trainer.lifecycle.closed_by_launcher``) that the
+    signal is no stop request, so that one still starting up does not print a stop line to resume from."""
+    def quiet(record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("Sending process") and record.args:   # logged just before the signal is sent
+            closed.add(int(record.args[0]))
+            Path(closing, str(record.args[0])).touch()
+        return not msg.startswith(("failed (exitcode", "Sending process"))
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -212,22 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torchrun: {why}", file=sys.stderr)
             return EXIT_CONFIG
 
-    # The agent's routine lines when a worker fails ("failed (exitcode: N) local_rank: ...", "Sending process
-    # N closing signal SIGTERM" to the others): the line below says which worker failed first. The second
-    # names the workers the agent ends itself, which are never that one.
     closed: set[int] = set()
-    # ... and tells those workers so (trainer.lifecycle.closed_by_launcher): their stop line would read as a
-    # stop request to resume from, above the failed worker's own line.
     closing = tempfile.mkdtemp(prefix="dsv3-closing-")
     os.environ[CLOSING_DIR_ENV] = closing
-
-    def quiet(record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        if msg.startswith("Sending process") and record.args:   # logged just before the signal is sent
-            closed.add(int(record.args[0]))
-            Path(closing, str(record.args[0])).touch()
-        return not msg.startswith(("failed (exitcode", "Sending process"))
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
+    _quiet_agent(closed, closing)
     watch = ExitWatch()
     stops = Stops(watch).install(args)
     try:
