@@ -100,9 +100,6 @@ def _check_zero(zero: int, backend: str | None, moment_dtype: str | None, world_
     """The ZeRO stage, and what its backend, the AdamW moment dtype and the weights' dtype allow."""
     if zero not in (0, 1, 2):
         raise ConfigError(f"parallel.zero: must be 0, 1 or 2, got {zero}")
-    if moment_dtype == "bf16" and zero == 0:
-        raise ConfigError("optim.moment_dtype=bf16 needs parallel.zero >= 1 (without ZeRO the optimizer is "
-                          "torch.optim.AdamW, whose moments are fp32; use auto or fp32)")
     if backend != "deepspeed":
         return
     if zero == 0:

@@ -98,8 +98,11 @@ def test_memory_accounting_bf16_weights():
     assert m1.formula == {"params": 2 * n, "grads": 4 * n, "master": 4 * n, "optim": 8 * n}
     assert m1.measured["params"] == 2 * n and m1.measured["master"] == 4 * n
     from trainer.memory_plan import plan_memory   # the pre-flight's estimate (recipe trainer) uses the same bytes
-    est = plan_memory(make_config("train.precision=bf16"), recipe="trainer").worst
+    est = plan_memory(make_config("train.precision=bf16", FP32_MOMENTS), recipe="trainer").worst
     assert (est.weights, est.grads, est.optim) == (2 * n, 4 * n, 12 * n)
+    # optim.moment_dtype=auto beside BF16 weights: BF16 moments (DeepSeek-V3's recipe), ZeRO or not
+    est = plan_memory(make_config("train.precision=bf16"), recipe="trainer").worst
+    assert est.optim == 4 * n + 2 * 2 * n
 
 
 # ---- the trainer -----------------------------------------------------------------------------------
@@ -318,3 +321,16 @@ def test_fused_adamw_state_lives_on_the_parameters_device():
         steps = {opt.optimizer.state[t]["step"].device.type for _, t in opt.named}
         moments = {opt.optimizer.state[t][k].device.type for _, t in opt.named for k in ("exp_avg", "exp_avg_sq")}
         assert steps == {want} and moments == {"meta"}, (fused, steps, moments)
+
+
+def test_moment_dtype_auto_is_bf16_beside_an_fp32_master():
+    """``optim.moment_dtype=auto``: BF16 moments (DeepSeek-V3's recipe) wherever the optimizer keeps an FP32
+    master apart from the weights (BF16 weights, or the native ZeRO's pieces); FP32 where torch's or DeepSpeed's
+    AdamW updates FP32 weights in place. ``bf16`` without ZeRO is a valid config (``Replicated`` keeps them)."""
+    from parallel.zero import moment_dtype
+    assert moment_dtype("auto", 0, "native", "fp32") == "fp32"
+    assert moment_dtype("auto", 0, "native", "bf16") == "bf16"
+    assert moment_dtype("auto", 1, "native", "fp32") == moment_dtype("auto", 2, "native", "bf16") == "bf16"
+    assert moment_dtype("auto", 1, "deepspeed", "fp32") == "fp32"
+    assert moment_dtype("fp32", 0, "native", "bf16") == "fp32" and moment_dtype("bf16", 0) == "bf16"
+    assert make_config("optim.moment_dtype=bf16").optim.moment_dtype == "bf16"

@@ -80,6 +80,7 @@ def test_fused_attention_is_one_kernel_each_way():
 
 
 # Measured on one H100 (../shared/gpu/2026-11-26-h100/: profile_v3small_*_bf16.txt): v3_small, batch 4 x 2048, bf16.
+FP32_MOMENTS = "optim.moment_dtype=fp32"   # every measured step below kept FP32 moments
 MEASURED_MS = {4: 141.3, 12: 272.0}                                   # 12 layers: 268-276 ms
 MEASURED_PHASES_12 = {"forward": 78.0, "backward": 108.5, "optimizer+other": 81.4}
 
@@ -87,7 +88,7 @@ MEASURED_PHASES_12 = {"forward": 78.0, "backward": 108.5, "optimizer+other": 81.
 @pytest.mark.parametrize("layers", [4, 12])
 def test_v3_small_step_reproduces_the_measured_h100_step(layers):
     """The step as it was measured (AdamW's foreach path; the trainer runs the Triton AdamW on CUDA since)."""
-    rec, _ = record_step(compose(["+exp=v3_small", "train.head_loss=plain", "train.compile=off"]), layers,
+    rec, _ = record_step(compose(["+exp=v3_small", "train.head_loss=plain", "train.compile=off", FP32_MOMENTS]), layers,
                          fused_adamw=False, adamw_kernel=False)
     phase = {k: s.seconds * 1e3 for k, s in totals(rec, "phase").items()}
     step = sum(phase.values())
@@ -107,7 +108,7 @@ MEASURED_HEAD_MS = {"plain": 118.1, "fused": 88.0, "chunked": 168.7}
 
 @pytest.mark.parametrize("head_loss", sorted(MEASURED_HEAD_MS))
 def test_each_head_loss_reproduces_its_measured_step(head_loss):
-    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off"]), 4,
+    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off", FP32_MOMENTS]), 4,
                          adamw_kernel=False)
     step = sum(s.seconds for s in totals(rec, "phase").values()) * 1e3
     assert abs(step / MEASURED_HEAD_MS[head_loss] - 1) < 0.25, (head_loss, step)
@@ -138,7 +139,7 @@ def test_compiled_regions_are_one_kernel_each_way():
 def test_fused_adamw_reads_and_writes_each_tensor_once():
     """AdamW fused (what ``parallel.zero.fused_adamw`` picks on CUDA): parameter, gradient and both moments read once,
     written once (7 x 4 bytes per FP32 parameter), against the foreach path's 20 passes."""
-    cfg = compose(["+exp=tiny", "train.precision=bf16"])
+    cfg = compose(["+exp=tiny", "train.precision=bf16", FP32_MOMENTS])   # torch's AdamW keeps FP32 moments
     fused, _ = record_step(cfg, fused_adamw=True, adamw_kernel=False)
     foreach, _ = record_step(cfg, fused_adamw=False, adamw_kernel=False)
     op = totals(fused, "op")["aten._fused_adamw_"]
@@ -155,7 +156,7 @@ MEASURED_12_BUSY_WALL = {"eager, torch's AdamW": (170.0, 184.8), "compiled regio
 
 @pytest.mark.parametrize("variant", sorted(MEASURED_12_BUSY_WALL))
 def test_v3_small_prediction_is_the_measured_gpu_busy_time(variant):
-    overrides = ["+exp=v3_small"] + (["train.compile=off"] if variant.startswith("eager") else [])
+    overrides = ["+exp=v3_small", FP32_MOMENTS] + (["train.compile=off"] if variant.startswith("eager") else [])
     rec, _ = record_step(compose(overrides), 12, adamw_kernel=not variant.startswith("eager"))
     step = sum(s.seconds for s in totals(rec, "phase").values()) * 1e3
     busy, wall = MEASURED_12_BUSY_WALL[variant]
@@ -203,14 +204,15 @@ def test_adamw_kernel_by_hand():
 
 
 def test_v3_small_optimizer_is_the_adamw_kernel():
-    """The optimizer phase of the v3_small step with the Triton AdamW: one launch per parameter, its bytes ~28 per
-    parameter, and the phase at most 0.7x what torch's fused AdamW with its clip, casts and copy predict."""
-    cfg = compose(["+exp=v3_small"])
-    kernel, mcfg = record_step(cfg, 4)
-    fused, _ = record_step(cfg, 4, adamw_kernel=False)
+    """The optimizer phase of the v3_small step with the Triton AdamW: one launch per parameter, 20 bytes per
+    parameter with its BF16 moments (``optim.moment_dtype=auto`` beside BF16 weights; 28 with FP32 moments), and
+    the phase at most 0.7x what torch's fused AdamW (FP32 moments) with its clip, casts and copy predict."""
+    kernel, mcfg = record_step(compose(["+exp=v3_small"]), 4)
+    fp32, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4)
+    fused, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4, adamw_kernel=False)
     n = sum(p.numel() for p in __import__("models").build(mcfg, "meta").parameters())
-    op = totals(kernel, "op")["adamw kernel"]
-    assert op.bytes == 28 * n
+    assert totals(kernel, "op")["adamw kernel"].bytes == (2 + 4 * 2 + 2 * 2 * 2 + 2) * n
+    assert totals(fp32, "op")["adamw kernel"].bytes == 28 * n
     assert totals(kernel, "phase")["optimizer"].seconds < 0.7 * totals(fused, "phase")["optimizer"].seconds
 
 

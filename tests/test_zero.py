@@ -77,7 +77,7 @@ def _memory_worker(rank, world):
         rep = build_optimizer(model, cfg.optim, dims, p.zero, p.zero_backend, p.zero_bucket_mb, weights=weights).memory()
         key = (zero, ep) if pp == 1 else (zero, ep, pp)
         out[key if weights == "fp32" else weights] = (rep.measured, rep.formula, rep.dense_params, rep.expert_params,
-                           moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend),
+                           moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend, weights),
                            rep.line())
     measured0, formula0, n_dense, n_expert, _, _ = out[(0, 1)]
     n = n_dense + n_expert

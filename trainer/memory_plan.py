@@ -169,7 +169,8 @@ def recipe_bytes(cfg: Config, recipe: str) -> tuple[int, int]:
         weight = Precision(cfg.train.precision).weight_dtype.itemsize
     if moment is None:
         p = cfg.parallel
-        moment = MOMENT_DTYPES[moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend)].itemsize
+        moment = MOMENT_DTYPES[moment_dtype(cfg.optim.moment_dtype, p.zero, p.zero_backend,
+                                            Precision(cfg.train.precision).weights)].itemsize
     return weight, moment
 
 

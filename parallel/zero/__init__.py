@@ -239,12 +239,15 @@ class Replicated:
 MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # optim.moment_dtype's values, ``auto`` resolved
 
 
-def moment_dtype(setting: str, zero: int, backend: str = "native") -> str:
-    """The AdamW moment dtype ``optim.moment_dtype`` resolves to: ``auto`` is bf16 under the native ZeRO
-    optimizer (DeepSeek-V3's recipe) and fp32 otherwise (torch.optim.AdamW; DeepSpeed's optimizer)."""
+def moment_dtype(setting: str, zero: int, backend: str = "native", weights: str = "fp32") -> str:
+    """The AdamW moment dtype ``optim.moment_dtype`` resolves to: ``auto`` is bf16, DeepSeek-V3's recipe, wherever
+    the optimizer keeps its own FP32 master (BF16 weights: ``weights``, ``train.precision=bf16|fp8``; the native
+    ZeRO's master pieces), and fp32 where torch's or DeepSpeed's AdamW updates FP32 weights in place."""
     if setting != "auto":
         return setting
-    return "bf16" if zero >= 1 and backend == "native" else "fp32"
+    if zero >= 1:
+        return "bf16" if backend == "native" else "fp32"
+    return "bf16" if weights != "fp32" else "fp32"
 
 
 def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, backend: str = "native",
@@ -259,12 +262,12 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
         raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
     if zero == 0:
         return Replicated(model, optim, dims, grad_weight, weights,
-                          moments=moment_dtype(getattr(optim, "moment_dtype", "auto"), zero, backend))
+                          moments=moment_dtype(getattr(optim, "moment_dtype", "auto"), zero, backend, weights))
     if backend == "deepspeed":
         from .deepspeed_backend import DeepSpeedZero
         return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb, weights=weights)
     from .native import ZeroOptimizer
-    return ZeroOptimizer(model, optim, dims, stage=zero, moment_dtype=moment_dtype(optim.moment_dtype, zero, backend),
+    return ZeroOptimizer(model, optim, dims, stage=zero, moment_dtype=moment_dtype(optim.moment_dtype, zero, backend, weights),
                          bucket_mb=bucket_mb, grad_weight=grad_weight, weights=weights)
 
 
