@@ -96,16 +96,21 @@ def test_first_failure_is_the_first_to_end_among_those_the_agent_did_not_end():
 def test_config_error_is_the_one_line_while_a_peer_is_still_starting(tmp_path):
     """Rank 0 fails its config (exit 2) while rank 1 is still in start-up (here: held in its stop handlers'
     first mode, as while importing torch on a loaded node). The agent's closing SIGTERM to rank 1 is no stop
-    request: rank 1 leaves without its start-up stop line, and the config error is the only line."""
+    request: rank 1 leaves without its start-up stop line, and the config error is the only line. Rank 1 runs
+    under a wrapper that stays its parent (as ``tools/slurm/train.sbatch``'s does), so the pid the agent signals
+    (its process group's) is not the trainer's own."""
     starting = ("import os, time; from trainer.lifecycle import StartupStops; "
                 "StartupStops(int(os.environ['RANK'])).install(); time.sleep(60)")
-    slow = ["bash", "-c", f'if [ "$RANK" = 1 ]; then exec {sys.executable} -c "{starting}"; fi; exec "$@"', "slow"]
+    code = tmp_path / "rank1.code"
+    slow = ["bash", "-c", f'if [ "$RANK" = 1 ]; then trap : TERM; {sys.executable} -c "{starting}"; '
+                          f'echo $? > {code}; exit 0; fi; exec "$@"', "slow"]
     tr = launch(tmp_path / "run", tmp_path / "cache", wrap=slow, overrides=["optim.eps=0"])
     t0 = time.monotonic()
     out, err = finish(tr, timeout=60)
     assert tr.returncode == 2, err[-3000:]
     assert err.strip().splitlines() == ["error: optim.eps: must be finite and > 0, got 0"], err[-3000:]
     assert time.monotonic() - t0 < 45, "rank 1 was not ended by the launcher"
+    assert code.read_text().strip() == str(128 + signal.SIGTERM)   # not 75: no stop to resume from
 
 
 # ---- stop signals to the launcher -----------------------------------------------------------------------------

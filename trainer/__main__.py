@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import faulthandler
 import os
+import signal
 import socket
 import sys
 import time
@@ -19,7 +20,7 @@ from importlib import resources
 from typing import NoReturn
 
 from trainer.lifecycle import (EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, StartupInterrupted, StartupStops, TrainingError,
-                               ignore_stops, leave_on_signal, stopped_in_startup)
+                               closed_by_launcher, ignore_stops, leave_on_signal, stopped_in_startup)
 
 # Stop signals are handled from here on (trainer.lifecycle.StartupStops): importing torch and Hydra takes
 # seconds, start-up minutes at scale, and a signal's default action would end the run with nothing said.
@@ -195,18 +196,19 @@ def main(dcfg: DictConfig) -> None:
 def _stop_in_startup(stops: StartupStops, name: str) -> NoReturn:
     """A stop signal before the first step (the trainer, if it got that far, released its directory locks): one
     line, the process group destroyed (no barrier: the peers got the same signal, or torchrun ends them), exit 75
-    (EX_TEMPFAIL: the sbatch script requeues)."""
+    (EX_TEMPFAIL: the sbatch script requeues). Ended by ``python -m trainer.torchrun`` because another worker
+    failed (``closed_by_launcher``): no line, exit 128 + the signal's number."""
     stops.finishing()   # a second signal now changes nothing
-    line = stopped_in_startup(stops.rank, name)
-    if line:
-        print(line, file=sys.stderr, flush=True)
+    closed = closed_by_launcher()   # ended by the launcher because another worker failed: its line is the one
+    if not closed:
+        print(stopped_in_startup(stops.rank, name), file=sys.stderr, flush=True)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
     # Not sys.exit: the signal may have cut an import short (datasets, tokenizers, a CUDA library), and the
     # interpreter's shutdown could then run a half-initialised extension's finalisers.
-    os._exit(EXIT_STOPPED)
+    os._exit(128 + signal.Signals[name] if closed else EXIT_STOPPED)
 
 
 def _config_error(e: ConfigError, maybe_own: bool = False) -> NoReturn:

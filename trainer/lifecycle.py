@@ -126,9 +126,9 @@ class StartupStops:
             return
         self.signal = name
         if self.mode == "exit":
-            line = stopped_in_startup(self.rank, name)
-            if line:
-                _say(line)
+            if closed_by_launcher():
+                os._exit(128 + signum)
+            _say(stopped_in_startup(self.rank, name))
             os._exit(EXIT_STOPPED)
         raise StartupInterrupted(name)
 
@@ -153,20 +153,17 @@ def ignore_stops() -> None:
 CLOSING_DIR_ENV = "DSV3_LAUNCHER_CLOSING"
 
 
-def closed_by_launcher(pid: int | None = None) -> bool:
+def closed_by_launcher() -> bool:
     """Whether ``python -m trainer.torchrun`` is ending this worker because another one failed: its agent sends
-    the closing signal (SIGTERM) to every worker still running, and the launcher notes each one first, as a
-    file named by the worker's pid in the directory it hands its workers (``DSV3_LAUNCHER_CLOSING``). That
-    signal is no stop request: the launcher names the worker that failed."""
+    the closing signal (SIGTERM) to the process group of every worker still running (each starts in a session
+    of its own, led by the process it started: this one, or a wrapper such as ``tools/slurm/train.sbatch``'s),
+    and the launcher notes each first, as a file named by that pid in the directory it hands its workers
+    (``DSV3_LAUNCHER_CLOSING``). That signal is no stop request: the launcher names the worker that failed."""
     closing = os.environ.get(CLOSING_DIR_ENV)
-    return bool(closing) and os.path.exists(os.path.join(closing, str(pid or os.getpid())))
+    return bool(closing) and os.path.exists(os.path.join(closing, str(os.getpgrp())))
 
 
-def stopped_in_startup(rank: int, name: str) -> str | None:
-    """The line for a stop signal during start-up; None when the launcher is ending this worker because another
-    failed (``closed_by_launcher``: the failed worker's own line is the one to read)."""
-    if closed_by_launcher():
-        return None
+def stopped_in_startup(rank: int, name: str) -> str:
     return (f"rank {rank}: {name} received during start-up: stopped before the first step, no checkpoint needed "
             f"(exit code {EXIT_STOPPED}; resume with checkpoint.resume=auto)")
 
