@@ -138,3 +138,32 @@ def test_model_keys_on_top_a_preset_kept_and_a_dir_without_tokenizer(hf_dir, tmp
     assert cfg.model == hf_model and cfg.data.tokenizer is None
     with pytest.raises(ConfigError, match=rf"^checkpoint\.init_from: {bare} holds no tokenizer .*set data\.tokenizer"):
         check_init_tokenizer(cfg)
+
+
+def test_resume_after_the_init_from_directory_is_gone(hf_dir, tmp_path):
+    """A run started from an HF directory that has since been deleted resumes from its own checkpoint: the model
+    and the tokenizer come from there (configs.init_from.from_own_checkpoint), the tokenizer path's change is
+    listed, not refused (the checkpoint's copy has the same files), and the steps go on where they stopped. A new
+    run (no checkpoint) still names the missing directory."""
+    import shutil
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    run = tmp_path / "run"
+    args = [f"checkpoint.init_from={src}", *SMALL, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run}"]
+    assert run_cli(*args, timeout=300).returncode == 0
+    shutil.rmtree(src)
+    proc = run_cli(*[a.replace("train.max_steps=2", "train.max_steps=4") for a in args], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    whole = tmp_path / "whole"   # the same 4 steps uninterrupted, from the HF directory itself
+    assert run_cli(*[a.replace(str(src), str(hf_dir)).replace(str(run), str(whole)).replace("max_steps=2", "max_steps=4")
+                     for a in args], timeout=300).returncode == 0
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in read_jsonl(whole / "metrics.jsonl")],
+                                                         rel=1e-6)
+    step2 = run / "checkpoints" / "step_00000002"
+    assert f"data.tokenizer: {src} -> {step2}" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    saved = yaml.safe_load((run / "checkpoints" / "step_00000004" / "config.yaml").read_text())
+    assert saved["model"] == dataclasses.asdict(config_from_hf_dir(hf_dir))
+    fresh = run_cli(*[a.replace(str(run), str(tmp_path / "new")) for a in args], timeout=300)
+    assert fresh.returncode == 2 and str(src) in fresh.stderr.strip().splitlines()[-1], fresh.stderr[-3000:]

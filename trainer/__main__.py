@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from importlib import resources
+from pathlib import Path
 from typing import NoReturn
 
 from trainer.lifecycle import (EXIT_CONFIG, EXIT_FAILED, EXIT_STOPPED, StartupInterrupted, StartupStops, TrainingError,
@@ -124,6 +125,18 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
+def _resume_step_dir(cfg, run_dir: str):
+    """The step dir ``checkpoint.resume`` names, or for ``auto`` the newest complete one in the run's checkpoint
+    directory, not yet verified (the trainer verifies it, and may fall back to an older one of the same run, with
+    the same model config and tokenizer files); None for ``none`` or without one."""
+    resume = cfg.checkpoint.resume
+    if resume != "auto":
+        return None if resume == "none" else Path(resume).expanduser()
+    from checkpoint import CheckpointManager
+    root = cfg.checkpoint.dir or Path(run_dir) / "checkpoints"
+    return CheckpointManager(root, is_writer=False, rank=0, world_size=1).latest()
+
+
 def _shared_run_dir(run_dir: str, dims) -> str:
     """Ranks may resolve Hydra's time-stamped run dir a second apart: everyone uses rank 0's."""
     if dims.world_size == 1:
@@ -155,7 +168,10 @@ def main(dcfg: DictConfig) -> None:
     try:
         try:
             # checkpoint.init_from: an HF directory's config.json is the model, its tokenizer the data's
-            cfg = validate(apply_init_from(to_object(dcfg), HydraConfig.get().overrides.task), world_size)
+            raw = to_object(dcfg)
+            cfg = validate(apply_init_from(raw, HydraConfig.get().overrides.task,
+                                           lambda: _resume_step_dir(raw, HydraConfig.get().runtime.output_dir)),
+                           world_size)
         except ConfigError as e:
             _config_error(e)
         try:

@@ -235,7 +235,8 @@ def config_changes(cfg, path: Path) -> str | None:
         return None
     saved = _flat(raw)
     changes = _diff(saved, _flat(yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg)))))
-    fixed = [c for c in changes if c[0].startswith(FIXED)]
+    fixed = [c for c in changes if c[0].startswith(FIXED)
+             and not (c[0] == "data.tokenizer" and same_tokenizer(c[2], path))]
     if fixed:
         (k, old, new), rest = fixed[0], fixed[1:]
         also = f" (also {', '.join(f'{k2}: {_show(o)} -> {_show(n)}' for k2, o, n in rest)})" if rest else ""
@@ -251,6 +252,21 @@ def config_changes(cfg, path: Path) -> str | None:
     if not listed:
         return None
     return f"config changed since {path}: " + ", ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in listed)
+
+
+TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer_config.json")   # the vocabulary and merges; bos / eos / pad, specials
+
+
+def same_tokenizer(tokenizer: str | None, path: Path) -> bool:
+    """Whether ``data.tokenizer=tokenizer`` has the files that define the tokenizer the checkpoint ``path`` carries
+    (``checkpoint_files``), byte for byte: the same tokenizer under another path, such as that copy itself when
+    the directory the run first read it from is gone (``configs.init_from.from_own_checkpoint``)."""
+    from data import carried_tokenizer
+    mine, theirs = (carried_tokenizer(p) if p is not None else None for p in (tokenizer, path))
+    if mine is None or theirs is None or not (mine.is_dir() and theirs.is_dir()):
+        return False
+    files = [(mine / name, theirs / name) for name in TOKENIZER_DEFINING]
+    return all(a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes() for a, b in files)
 
 
 def checkpoint_files(trainer) -> dict[str, str | bytes]:
