@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import RMSNorm, apply_rope, yarn_mscale
+from .layers import RMSNorm, rope_heads, yarn_mscale
 
 
 class MLA(nn.Module):
+    rope_heads = staticmethod(rope_heads)   # the rotation and concatenation of q and k (a transform may compile it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -59,7 +61,7 @@ class MLA(nn.Module):
         q = self.wq_b(self.q_norm(q_BTC)) if hasattr(self, "wq_b") else q_BTC
         q_nope, q_pe = q.view(B, T, self.n_heads, self.nope + self.rope).transpose(1, 2).split(
             [self.nope, self.rope], dim=-1)
-        return torch.cat([q_nope, apply_rope(q_pe, *rope)], dim=-1)
+        return self.rope_heads(q_nope, q_pe, *rope)
 
     def kv_up(self, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from wkv_a's output ``[B,T,L+R]``: the latent through
@@ -69,5 +71,4 @@ class MLA(nn.Module):
         kv_BTL, k_pe_BTR = kv_BTC.split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv_BTL)).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v_BHTV = kv.split([self.nope, self.v_dim], dim=-1)
-        k_pe = apply_rope(k_pe_BTR.unsqueeze(1), *rope).expand(B, H, T, self.rope)
-        return torch.cat([k_nope, k_pe], dim=-1), v_BHTV
+        return self.rope_heads(k_nope, k_pe_BTR.unsqueeze(1), *rope), v_BHTV

@@ -111,3 +111,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., 0::2], x[..., 1::2]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_heads(x_nope: torch.Tensor, x_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Attention heads ``[B,H,T,N+R]``: ``x_nope [B,H,T,N]`` followed by ``x_pe [B,H|1,T,R]`` rotated
+    (``apply_rope``), a single rope key broadcast to every head. One chain of elementwise work, so that a
+    transform may run it as one compiled region (``parallel/compile.py``)."""
+    pe = apply_rope(x_pe, cos, sin).expand(*x_nope.shape[:-1], x_pe.shape[-1])
+    return torch.cat([x_nope, pe], dim=-1)

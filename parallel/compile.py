@@ -2,11 +2,13 @@
 chains as generated kernels, the rest of the forward as written.
 
 Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
-dense MLPs, shared and routed experts) and the MoE combine's un-sort and gate-weighted sum
-(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers). In eager
-a norm is 8 kernels forward and about 12 backward, each a pass over the activations (FP32 copies included), a
-SwiGLU 3 and 5, the combine a gather, a product over the K copies and a sum, whose backward scatters into
-zeros; compiled, each is one or two generated kernels each way. They are the largest share of the step's
+dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
+(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers) and each
+attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``).
+In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations (FP32 copies
+included), a SwiGLU 3 and 5, the combine a gather, a product over the K copies and a sum, whose backward scatters
+into zeros, the rotation two casts, four products, a sum, a difference and two concatenations; compiled, each is
+one or two generated kernels each way. They are the largest share of the step's
 elementwise bytes (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling
 them cannot break a graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
 
@@ -30,7 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
+from models.attention import MLA
+from models.layers import RMSNorm, SwiGLU, rms_norm, rope_heads, swiglu
 from models.moe import LocalDispatcher, MoE, unsort_and_weight
 
 log = logging.getLogger("parallel")
@@ -85,7 +88,7 @@ FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
 
 class Region:
     """A function run as a compiled region (``region(fn, backend)``, looked up at each call), for the places
-    that call a function rather than a module: the MoE combine's ``weigh``."""
+    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``rope_heads``."""
 
     def __init__(self, fn: Callable, backend: str):
         self.fn, self.backend = fn, backend
@@ -104,13 +107,17 @@ def _weighing(m: nn.Module) -> bool:
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
     its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the MoE combines'
-    ``weigh``, in place. Returns the compiled modules' (and dispatchers') names. Idempotent."""
+    ``weigh`` and the attentions' ``rope_heads``, in place. Returns the compiled modules' (and functions') names.
+    Idempotent."""
     classes: dict[tuple[type, str], type] = {}
     names = []
     for name, m in model.named_modules():
         if _weighing(m):
             m.dispatcher.weigh = Region(unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
+        if isinstance(m, MLA):
+            m.rope_heads = Region(rope_heads, backend)
+            names.append(f"{name}.rope_heads")
         if getattr(type(m), "compiled_from", None) is not None:   # compiled before (maybe recomputed since)
             names.append(name)
             continue
@@ -128,10 +135,11 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
 
 
 def compiled(model: nn.Module) -> list[str]:
-    """The names of ``model``'s compiled modules (and dispatchers' ``weigh``)."""
+    """The names of ``model``'s compiled modules (and dispatchers' ``weigh``, attentions' ``rope_heads``)."""
     return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None] + \
         [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
-         if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)]
+         if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)] + \
+        [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m.__dict__.get("rope_heads"), Region)]
 
 
 __all__ = ["MODES", "Region", "apply_compile", "compiled", "enabled", "region"]

@@ -10,6 +10,7 @@ import torch
 import models
 from configs import model_preset
 from errors import ConfigError
+from models.attention import MLA
 from models.layers import RMSNorm, SwiGLU
 from models.moe import MoE
 from parallel.compile import MODES, apply_compile, compiled, enabled
@@ -18,6 +19,7 @@ from parallel.recompute import apply_recompute, regions
 from .trainer_utils import make_config
 
 IDS = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
+REGIONS = 33 + 4 + 5   # the tiny model's norms and SwiGLUs, MoE combines, attentions (4 blocks and the MTP's)
 
 
 def tiny():
@@ -53,9 +55,10 @@ def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
     model = tiny()
     keys = list(model.state_dict())
     want = sorted([n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU))] +
-                  [f"{n}.dispatcher.weigh" for n, m in model.named_modules() if isinstance(m, MoE)])
+                  [f"{n}.dispatcher.weigh" for n, m in model.named_modules() if isinstance(m, MoE)] +
+                  [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m, MLA)])
     names = apply_compile(model, backend="aot_eager")
-    assert sorted(names) == want == sorted(compiled(model)) and len(want) == 33 + 4
+    assert sorted(names) == want == sorted(compiled(model)) and len(want) == REGIONS
     assert apply_compile(model, backend="aot_eager") == names          # idempotent: no class of a class
     assert type(model.norm).__name__ == "CompiledRMSNorm" and type(model.norm).__mro__[1] is RMSNorm
     assert list(model.state_dict()) == keys
@@ -79,9 +82,9 @@ def test_compiled_regions_recompute():
     done = apply_recompute(model, "selective")
     assert done == regions(model) and any(r.endswith("ffn_norm.forward") for r in done)
     assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm"
-    assert len(apply_compile(model, backend="aot_eager")) == 33 + 4     # again: nothing undone
+    assert len(apply_compile(model, backend="aot_eager")) == REGIONS     # again: nothing undone
     assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm" and regions(model) == done
-    assert len(compiled(model)) == 33 + 4
+    assert len(compiled(model)) == REGIONS
     assert_same(ref, loss_and_grads(model))
 
 
@@ -120,10 +123,10 @@ def _norm(x, w):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_regions_on_cuda_equal_eager(dtype):
-    """What the trainer runs on a GPU (``train.compile=auto``): inductor's kernels for the three regions, forward
+    """What the trainer runs on a GPU (``train.compile=auto``): inductor's kernels for the four regions, forward
     and backward, against the eager functions. FP32 to rounding; BF16 within one BF16 rounding (inductor keeps the
     norm's FP32 statistics in registers and rounds once)."""
-    from models.layers import swiglu
+    from models.layers import rope_heads, swiglu
     from models.moe import unsort_and_weight
     from parallel.compile import region
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -140,6 +143,10 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
             err = ((a.float() - b.float()).norm() / a.float().norm()).item()
             assert err < tol, (fn.__name__, dtype, err)
 
+    for heads in (16, 1):              # a query (a rope part per head), a key (one rope part for every head)
+        nope = torch.randn(2, 16, 512, 128, generator=g, device="cuda", dtype=dtype)
+        cos, sin = (torch.randn(512, 32, generator=g, device="cuda") for _ in range(2))
+        check(rope_heads, nope, torch.randn(2, heads, 512, 64, generator=g, device="cuda", dtype=dtype), cos, sin)
     for rows in (8192, 1000):          # a new row count, as the routed experts see every step
         x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype)
         w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(dtype)

@@ -28,7 +28,8 @@ MODEL_FILES = ("models/layers.py", "models/attention.py", "models/moe.py", "mode
 # Functions of models/ that parallel/ may call: building blocks of the seams, not model compute; and the
 # functions of the compiled regions, which parallel/compile.py hands to torch.compile as they are written in
 # models/ (the modules' own forwards call the same functions), never re-implements.
-ALLOWED = {"build", "expert_counts", "unsort_and_weight", "span_steps", "drive", "carrying", "rms_norm", "swiglu"}
+ALLOWED = {"build", "expert_counts", "unsort_and_weight", "span_steps", "drive", "carrying", "rms_norm", "swiglu",
+           "rope_heads"}
 
 
 def _submodule_names() -> set[str]:

@@ -331,12 +331,14 @@ def fused_cross_entropy(recorder: Recorder):
 class _CompiledRegion(torch.autograd.Function):
     """A ``parallel/compile.py`` region as inductor runs it: one generated kernel forward (reads the inputs,
     writes the output), one backward (reads the inputs and the output's gradient, writes the inputs' gradients)
-    plus one reduction per gradient of another shape than the output (a norm's weight). Its aten ops run
-    unrecorded: the region's cost is its memory traffic, not the sum of its eager ops."""
+    plus one reduction per gradient that the eager backward sums into (a norm's weight, a MoE gate, a rope key
+    shared by the heads). Its aten ops run unrecorded: the region's cost is its memory traffic, not the sum of
+    its eager ops."""
 
     @staticmethod
     def forward(ctx, fn, recorder, *inputs):
         ctx.fn, ctx.recorder = fn, recorder
+        ctx.grads = ctx.needs_input_grad[2:]
         ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
         ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inputs]
         out = fn(*inputs)
@@ -348,12 +350,14 @@ class _CompiledRegion(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         inputs = [next(saved).detach() if o is None else o for o in ctx.others]
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-        wrt = [t.requires_grad_(True) for t in tensors if t.is_floating_point()]   # not the index tensors
-        with torch.enable_grad(), _paused(ctx.recorder):
-            grads = dict(zip(map(id, wrt), torch.autograd.grad(ctx.fn(*inputs), wrt, dout)))
+        wrt = [t.requires_grad_(True) for t, g in zip(inputs, ctx.grads) if g]   # what needed a gradient
+        sums: list[tuple] = []   # the shapes the eager backward sums into
+        with torch.enable_grad(), _paused(ctx.recorder, sums):
+            grads = dict(zip(map(id, wrt), torch.autograd.grad(ctx.fn(*inputs), wrt, dout, allow_unused=True)))
+        grads = {k: g for k, g in grads.items() if g is not None}
         ctx.recorder.record("compiled region backward", None, (*tensors, dout), {}, list(grads.values()), 0.0)
         for g in grads.values():
-            if g.shape != dout.shape and g.numel() < dout.numel():   # a reduced gradient (a norm's weight)
+            if _squeezed(g.shape) in sums:   # a reduced gradient (a norm's weight, a gate, a key shared by the heads)
                 ctx.recorder.record("compiled region backward", None, (), {}, g, 0.0)
         return (None, None, *[grads.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs])
 
@@ -380,11 +384,26 @@ def compiled_regions(recorder: Recorder):
 FUSED = ("attention", "cross-entropy", "compiled region")   # ops that record themselves
 
 
+REDUCTIONS = ("aten.sum", "aten.mean")
+
+
+def _squeezed(shape) -> tuple:
+    """``shape`` without its 1s: autograd sums a broadcast gradient with ``keepdim`` and then views it."""
+    return tuple(d for d in shape if d != 1)
+
+
 @contextlib.contextmanager
-def _paused(recorder: Recorder):
-    """The recorder's dispatch hook off (the fused op records itself; ``new_empty`` is no kernel anyway)."""
+def _paused(recorder: Recorder, sums: list | None = None):
+    """The recorder's dispatch hook off (the fused op records itself; ``new_empty`` is no kernel anyway); the
+    output shapes of the reductions that run meanwhile go to ``sums``."""
     saved = recorder.record
-    recorder.record = lambda name, *a, **k: saved(name, *a, **k) if name.startswith(FUSED) else None
+
+    def record(name, packet, args, kwargs, out, *rest, **kw):
+        if name.startswith(FUSED):
+            return saved(name, packet, args, kwargs, out, *rest, **kw)
+        if sums is not None and name in REDUCTIONS and isinstance(out, torch.Tensor):
+            sums.append(_squeezed(out.shape))
+    recorder.record = record
     try:
         yield
     finally:
