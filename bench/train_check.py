@@ -191,12 +191,13 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
                  seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto",
-                 adamw: str = "auto", host_profile: int = 0) -> dict:
+                 adamw: str = "auto", host_profile: int = 0, moments: str = "auto") -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
     last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``), ``compile`` ``train.compile``
     (``parallel.compile``); ``adamw``: ``auto`` (the trainer's optimizer: the Triton AdamW on CUDA after its
-    self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces).
+    self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces);
+    ``moments``: ``optim.moment_dtype`` of the ``auto`` optimizer (``auto``: BF16 beside BF16 weights).
     ``host_profile``: the ``host_profile`` entry holds the top functions by own time of one more step under
     ``cProfile`` (the host side: Python, dispatch, launches)."""
     import torch
@@ -225,7 +226,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
         from parallel.zero import Replicated
         opt = Replicated(model, OPTIM, ParallelDims(world_size=1), None, Precision(precision).weights, kernel=False)
     else:   # as the trainer
-        opt = build_optimizer(model, OPTIM, ParallelDims(world_size=1), weights=Precision(precision).weights)
+        opt = build_optimizer(model, types.SimpleNamespace(**vars(OPTIM), moment_dtype=moments),
+                              ParallelDims(world_size=1), weights=Precision(precision).weights)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
