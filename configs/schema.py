@@ -64,7 +64,7 @@ class OptimConfig:
     beta2: float = 0.95         # AdamW second-moment decay, in [0, 1)
     eps: float = 1e-8           # AdamW denominator term, > 0
     grad_clip: float = 1.0      # max global grad norm; 0 disables clipping
-    moment_dtype: str = "auto"  # AdamW moments: auto (bf16 beside an FP32 master: BF16 weights or ZeRO; else fp32) | bf16 | fp32
+    moment_dtype: str = "auto"  # AdamW moments: auto (bf16 beside an FP32 master: BF16 weights, ZeRO) | bf16 | fp32
 
 
 @dataclass

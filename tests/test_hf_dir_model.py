@@ -157,8 +157,8 @@ def test_resume_after_the_init_from_directory_is_gone(hf_dir, tmp_path):
     resumed = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     whole = tmp_path / "whole"   # the same 4 steps uninterrupted, from the HF directory itself
-    assert run_cli(*[a.replace(str(src), str(hf_dir)).replace(str(run), str(whole)).replace("max_steps=2", "max_steps=4")
-                     for a in args], timeout=300).returncode == 0
+    uninterrupted = [a.replace(str(src), str(hf_dir)).replace(str(run), str(whole)) for a in args]
+    assert run_cli(*[a.replace("max_steps=2", "max_steps=4") for a in uninterrupted], timeout=300).returncode == 0
     assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in read_jsonl(whole / "metrics.jsonl")],
                                                          rel=1e-6)
     step2 = run / "checkpoints" / "step_00000002"

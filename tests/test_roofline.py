@@ -108,7 +108,8 @@ MEASURED_HEAD_MS = {"plain": 118.1, "fused": 88.0, "chunked": 168.7}
 
 @pytest.mark.parametrize("head_loss", sorted(MEASURED_HEAD_MS))
 def test_each_head_loss_reproduces_its_measured_step(head_loss):
-    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off", FP32_MOMENTS]), 4,
+    rec, _ = record_step(compose(["+exp=v3_small", f"train.head_loss={head_loss}", "train.compile=off",
+                                  FP32_MOMENTS]), 4,
                          adamw_kernel=False)
     step = sum(s.seconds for s in totals(rec, "phase").values()) * 1e3
     assert abs(step / MEASURED_HEAD_MS[head_loss] - 1) < 0.25, (head_loss, step)

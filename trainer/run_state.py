@@ -254,7 +254,7 @@ def config_changes(cfg, path: Path) -> str | None:
     return f"config changed since {path}: " + ", ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in listed)
 
 
-TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer_config.json")   # the vocabulary and merges; bos / eos / pad, specials
+TOKENIZER_DEFINING = ("tokenizer.json", "tokenizer_config.json")   # vocabulary and merges; bos / eos / pad, specials
 
 
 def same_tokenizer(tokenizer: str | None, path: Path) -> bool:

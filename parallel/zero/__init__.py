@@ -267,7 +267,8 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
         from .deepspeed_backend import DeepSpeedZero
         return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb, weights=weights)
     from .native import ZeroOptimizer
-    return ZeroOptimizer(model, optim, dims, stage=zero, moment_dtype=moment_dtype(optim.moment_dtype, zero, backend, weights),
+    moments = moment_dtype(optim.moment_dtype, zero, backend, weights)
+    return ZeroOptimizer(model, optim, dims, stage=zero, moment_dtype=moments,
                          bucket_mb=bucket_mb, grad_weight=grad_weight, weights=weights)
 
 
