@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +36,16 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
+
+
+def scheduler_step(scheduler) -> None:
+    """``scheduler.step()``, without torch's warning that it ran before the optimizer's: that check looks for a
+    call of the torch optimizer's own ``step``, and the AdamW kernel and the BF16-moment update (``parallel/zero``)
+    update the weights without one, before this."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`"),
+                                UserWarning)
+        scheduler.step()
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, dims: ParallelDims | None = None,
@@ -448,7 +460,7 @@ class Trainer:
         self.step += 1
         step_tokens = gbs * self.cfg.data.seq_len
         self.tokens += step_tokens
-        self.scheduler.step()   # the next step's LR: after self.tokens moved (optim.decay=phases reads it)
+        scheduler_step(self.scheduler)   # the next step's LR: after self.tokens moved (optim.decay=phases reads it)
         # The step's numbers reach the host in one sync (on CUDA: after the step's work is done, so the
         # step time below covers the GPU's work, not only the launches).
         with self.phase("metric reductions", step=self.step):
