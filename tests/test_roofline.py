@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from configs.schema import compose
+from parallel.compile import ROPE_ENV
 from tools import roofline
 from tools.roofline import Recorder, as_on_cuda, record_step, totals
 
@@ -118,11 +119,12 @@ def test_each_head_loss_reproduces_its_measured_step(head_loss):
     assert bool(fused and sum(loss_ops[k].calls for k in fused) == 4) == (head_loss == "fused"), fused  # 2 heads, fwd+bwd
 
 
-def test_compiled_regions_are_one_kernel_each_way():
+def test_compiled_regions_are_one_kernel_each_way(monkeypatch):
     """``train.compile`` (on CUDA by default): each norm, SwiGLU product, MoE combine and query / key rotation
     records one fused kernel forward and one backward (plus a reduction for a norm's weight, a gate, a key's rope
     part shared by the heads), reading its inputs and writing its output once; the eager chains' elementwise
-    bytes go, and nothing else changes."""
+    bytes go, and nothing else changes. (The rope region is opt-in under inductor: ``parallel.compile.rope_enabled``.)"""
+    monkeypatch.setenv(ROPE_ENV, "1")
     eager, _ = record_step(compose(["+exp=tiny", "train.precision=bf16", "train.compile=off"]))
     comp, mcfg = record_step(compose(["+exp=tiny", "train.precision=bf16"]))
     ops = totals(comp, "op")
