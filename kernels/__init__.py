@@ -5,23 +5,17 @@ Backends expose the same functions (see ``reference.py`` for the API):
 - ``triton``: the Triton kernels in ``quant.py``, ``gemm.py`` and ``grouped_gemm.py``. On a machine
   without CUDA they run under the Triton interpreter (``TRITON_INTERPRET=1``, set by ``configure()``, which
   must run before those modules are imported: Triton reads the variable when it decorates a kernel) —
-  slow, only for tests. Every default launch variant is self-checked on its device before first use
-  (``selfcheck.py``); quantisers that are not bit-exact there give way to the reference's.
-- ``torch``: torch's own kernels: cuBLASLt's blockwise ``scaled_mm`` for dense GEMMs (``torch_gemm.py``, sm_90)
-  and the reference quantisers; no grouped GEMMs (torch has no blockwise-scaled grouped GEMM on the versions
-  we support: the grouped ops raise).
+  slow, only for tests. Every default launch variant is self-checked on its device (``selfcheck.py``).
+- ``torch``: cuBLASLt's blockwise ``scaled_mm`` for dense GEMMs (``torch_gemm.py``, sm_90) and the reference
+  quantisers; the grouped ops raise (torch has no blockwise-scaled grouped GEMM).
 - ``emulation``: ``reference.py`` in plain torch: quantise exactly like the kernels (bit-identical
   FP8 bytes and scales), dequantise, matmul in FP32. Fast enough to train small models on CPU.
 - ``auto``: on CUDA, per op the fastest engine that passed its self-check on the device (``auto.py``); elsewhere
   ``emulation``.
 
 Importing this package neither imports triton nor changes the environment; the triton, torch and auto
-namespaces call ``configure()`` and import the kernels.
-
-``hopper_gate.py`` compiles every kernel for Hopper (sm_90a) without a GPU, at the specialisations of its
-production launches, and checks registers, spills, shared memory, wgmma, pipelined (TMA) loads and the
-quantisers' rounding instructions: ``python -m kernels.hopper_gate`` prints the table;
-``tests/test_hopper_gate.py`` asserts it.
+namespaces call ``configure()`` and import the kernels. ``hopper_gate.py`` checks what the kernels compile to on
+Hopper, without a GPU.
 """
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ recompiling. Bytes per element: the gradient read once, master and moments read 
 written once (28 B with a BF16 gradient, FP32 moments and a BF16 ``out``), against ~20 passes for torch's
 foreach AdamW and 4 more ops (clip, cast of the gradient, cast of the master) around torch's fused one.
 
-On CUDA the kernel runs after its self-check passed on the device (``selfcheck.py``: a small ragged problem vs
-``reference_adamw_``); callers ask ``usable(device)`` and take their torch path where it says no (one warning).
+On CUDA the kernel runs once it passed its self-check (``selfcheck.py``); callers ask ``usable(device)``.
 """
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ from . import configure, selfcheck
 
 BLOCK = 1024            # elements per program (GPU)
 CHECK_TOL = 1e-5        # relative error vs the reference; FP32 reordering (fused multiply-adds) gives ~1e-7
-# BF16 moments: a fused multiply-add can flip the BF16 rounding of an element (2^-8 of it): one flip in the check's
-# 3,149 elements is 6e-5 (measured on an H100); a wrong kernel is >= 1e-2 off. Their error counts at this scale.
+# BF16 moments: a fused multiply-add can flip an element's BF16 rounding (one flip in the check's 3,149 elements:
+# 6e-5); a wrong kernel is >= 1e-2 off.
 BF16_MOMENT_TOL = 1e-3
 
 

@@ -7,8 +7,7 @@ Engines per op, in order of preference (``cuda_engines``):
   here, else ("separate") this namespace's own ``quant_act`` and ``quant_act_t``, one after the other;
 - ``gemm``: torch's blockwise ``scaled_mm`` (cuBLASLt, ``torch_gemm.py``) where the running torch and device
   have it and the operands suit it, and the Triton kernel (its first self-checked launch variant);
-- ``grouped_gemm`` / ``grouped_wgrad``: the Triton kernels (torch has no blockwise-scaled grouped GEMM in the
-  versions we support);
+- ``grouped_gemm`` / ``grouped_wgrad``: the Triton kernels;
 - the reference (dequantise, FP32 matmul) last: correct everywhere, slow; used only when no engine passes.
 
 Each engine is self-checked once per process and device (``selfcheck.py``) before it is used. Where more than
@@ -17,8 +16,7 @@ strides) times each engine on the call's own operands (one warm-up, then ``reps`
 and keeps the fastest for the rest of the process; each choice is logged once (logger ``kernels``, INFO).
 ``summary()`` runs every self-check and says which engines passed: the trainer logs it at start-up.
 
-On the CPU ``auto`` means the ``emulation`` backend (``kernels.get_ops``); ``AutoOps`` itself is device-neutral,
-so tests drive it with the interpreter and the reference standing in for the GPU engines.
+On the CPU ``auto`` means ``emulation``; ``AutoOps`` itself is device-neutral (tests drive it on the CPU).
 """
 from __future__ import annotations
 

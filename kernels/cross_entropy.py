@@ -11,11 +11,9 @@ autocast):
 
 The backward keeps only the logits (the head's output, in its dtype) and the per-row log-sum-exp. The plain path
 ``F.cross_entropy(logits.float())`` keeps ``N x V`` FP32 log-probabilities and makes an FP32 copy of the logits on
-the way; on an H100 its softmax kernels were 20 % of the v3_small step's GPU time. Same numbers up to FP32
-summation order (``tests/test_cross_entropy.py`` compares loss and gradient with it).
-
-On CUDA the kernels run after their self-check passed on the device (``selfcheck.py``: a small ragged problem vs
-``F.cross_entropy``); elsewhere, and where the check fails (one warning), ``reference_cross_entropy`` runs.
+the way (on an H100 its softmax kernels are 20 % of the v3_small step's GPU time). Same numbers up to FP32
+summation order. On CUDA the kernels run once they passed their self-check (``selfcheck.py``); elsewhere, and
+where the check fails, ``reference_cross_entropy`` runs.
 """
 from __future__ import annotations
 

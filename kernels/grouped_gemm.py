@@ -17,9 +17,7 @@ in-kernel tensor descriptors when ``tma_ok``, masked pointer loads otherwise) an
   ``quant_act_t(·, tpe)``: 128×1 tiles that restart at each expert, in *tile space* (tile t in columns
   ``[128t, 128t+128)``, zero-padded). Expert e's K loop runs over its tiles ``[tile_start_e, tile_end_e)``:
   every load is a whole, 128-byte-aligned, unmasked tile, so Triton can pipeline it (with cp.async or
-  TMA). (Before tile space the loop read ``[seg_start, seg_end)`` at token granularity: data-dependent,
-  unaligned starts and an ``r < seg_end`` mask made every load a byte-wide synchronous load.)
-  Experts without tokens get zeros.
+  TMA). Experts without tokens get zeros.
 """
 from __future__ import annotations
 

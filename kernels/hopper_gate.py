@@ -2,35 +2,19 @@
 specialisations its real launches use, and check what the compiled code does.
 
 Launches: ``launches()`` runs the FP8 training call sequence of ``parallel/fp8.py`` (Fprop, Dgrad, Wgrad of
-a dense linear and of the routed experts), then the optimizer's AdamW (``adamw.py``: over a BF16 weight and
-over a ZeRO bucket), through the *public wrappers* on meta tensors of production shapes, with each kernel's ``run`` (what ``kernel[grid](...)`` calls) swapped for a recorder. Grid,
-arguments, tile constexprs, ``num_warps`` and ``num_stages`` therefore come from the wrappers' own launch
-code (``GPU_CONFIG`` & co.), and the specialisation from Triton's own binder (``specialize_impl``: integers
-equal to 1 become constexprs, pointers and integers divisible by 16 get ``tt.divisibility``), exactly as
-``JITFunction.run`` would at launch. Equal specialisations compile once. The GEMMs are also compiled on
-their pointer path (``config={"TMA": False}``: the fallback for operands TMA cannot read), and a control
-compiles the dense GEMM with ``num_stages=1``.
+a dense linear and of the routed experts), then the optimizer's AdamW, through the *public wrappers* on meta
+tensors of production shapes, with each kernel's ``run`` swapped for a recorder: grid, arguments, constexprs,
+``num_warps`` and ``num_stages`` come from the wrappers' own launch code, and the specialisation from
+Triton's own binder (``specialize_impl``), exactly as ``JITFunction.run`` would at launch. The GEMMs are also
+compiled on their pointer path, and a control compiles the dense GEMM with ``num_stages=1``.
 
-Compiles target ``GPUTarget("cuda", 90, 32)`` in worker *subprocesses* with ``TRITON_INTERPRET=0`` (the
-caller may have imported ``kernels`` under the interpreter) and a fresh Triton cache (nothing carried
-between runs). Each report holds: total warps (warp specialisation adds warp groups to ``num_warps``),
-global scratch per program (in-kernel TMA descriptors live there), registers and local-memory
-(spill/stack) bytes from the bundled ``cuobjdump``, shared memory (dynamic + static), the counts of wgmma
-(PTX ``wgmma.mma_async`` / SASS ``QGMMA``), cp.async (``cp.async.ca/cg`` / ``LDGSTS``), TMA loads
-(``cp.async.bulk.tensor`` / ``UTMALDG``) and setmaxnreg (``setmaxnreg`` / ``USETMAXREG``: the register
-hand-over of warp specialisation, kept by ptxas only where it can take effect) with the register counts
-it sets, the depth of the multi-buffered FP8 operand ring in shared memory (``smem_stages``, from the
-TTGIR), and the largest ``wgmma.wait_group N`` (``wgmma_in_flight``: 0 means each warp group waits for its
-own wgmma before the next instruction that reads the result, here the promotion).
+Compiles target ``GPUTarget("cuda", 90, 32)`` in worker subprocesses with ``TRITON_INTERPRET=0`` (the caller
+may have imported ``kernels`` under the interpreter) and a fresh Triton cache. Each report holds warps,
+global scratch, registers and local memory (``cuobjdump``), shared memory, the PTX/SASS counts of wgmma,
+cp.async, TMA loads and setmaxnreg, the depth of the FP8 operand ring in shared memory (``smem_stages``) and
+the largest ``wgmma.wait_group N`` (``wgmma_in_flight``).
 
-Checks (``failures``): compiles; no local memory; shared memory <= 227 KB (H100/H200 per-block opt-in
-limit); for quantisers the instructions their bit-exactness rests on (``rounding_failures``: IEEE division,
-no flush-to-zero, the hardware's saturating RNE E4M3 convert, no float negation); for the AdamW IEEE-rounded
-division and square root, no approximate ones (``ieee_facts``);
-for GEMMs (a ``tt.dot``): wgmma in PTX and SASS, and pipelined loads (cp.async or TMA into an
-operand ring of >= 2 stages); and what the launch config asks for: ``TMA`` -> TMA copies,
-``WARP_SPECIALIZE`` (the opt-in variant, compiled too) -> setmaxnreg in PTX and SASS. The control must be *rejected* (unpipelined), which
-shows the pipelining check bites.
+Checks: ``failures``. The control must be *rejected* (unpipelined), which shows the pipelining check bites.
 
 CLI (prints the table; exit 1 on any failure): ``python -m kernels.hopper_gate [--json] [--jobs N]``.
 Speed is not measured (that needs a GPU); neither is correctness (the interpreter tests do that).
@@ -326,9 +310,8 @@ def failures(rep: dict) -> list[str]:
 def rounding_failures(kernel: str, r: dict) -> list[str]:
     """A quantiser is bit-exact vs the reference only with: IEEE divisions (``div.rn``; Triton's ``/`` is the
     approximate ``div.full``), no flush-to-zero (the tiles' inputs may be FP32 subnormals), the hardware's
-    saturating RNE E4M3 convert (what the compiled kernels round with: the interpreter's exact FP32 emulation
-    of it returned garbage for values rounding to zero on an H100), and no float negation (one lost the sign
-    of -0 on an H100)."""
+    saturating RNE E4M3 convert (the interpreter's FP32 emulation of it compiles to garbage for values rounding
+    to zero), and no float negation (it loses the sign of -0 on Hopper)."""
     bad = []
     if r["div_approx"]:
         bad.append(f"{r['div_approx']} approximate division(s) (div.full/div.approx/rcp.approx)")

@@ -20,13 +20,11 @@ Granularity and layout (T = 128):
 
 The FP32 -> E4M3 conversion (``_to_e4m3``) has two forms, chosen per launch (``HW``):
 - compiled (GPU): clamp to ±448 and the hardware convert (``cvt.rn.satfinite.e4m3x2.f32``: round to nearest
-  even, saturating, the sign kept, so a negative value that rounds to zero is -0 as in torch). Bit-exact on
-  an H100 with Triton 3.6, and the fastest form there.
+  even, saturating, the sign kept, so a negative value that rounds to zero is -0 as in torch).
 - interpreter: the interpreter's own downcast drops mantissa carries, rounds ties up and does not saturate,
   so the magnitude is first rounded onto the E4M3 grid in FP32 (magic-number add and subtract), making that
-  downcast exact, and the sign is set as a bit. Compiled for an H100 by Triton 3.6 this form wrote garbage
-  bytes for values that round to zero, in a pattern that changed with ``num_warps`` (e.g. 25 % of the
-  128×1 quantiser's bytes at 4 warps, none at 8), so it never runs there.
+  downcast exact, and the sign is set as a bit. Compiled for Hopper (Triton 3.6) this form writes garbage
+  bytes for values that round to zero, so it never runs there.
 Divisions use ``div_rn`` (IEEE), as the reference's tensor divisions do on CUDA and CPU.
 """
 from __future__ import annotations
@@ -62,10 +60,8 @@ def _to_e4m3(x, HW: tl.constexpr):
 
 @triton.jit
 def _amax(x, axis: tl.constexpr):
-    # Not tl.max: triton.language's own @jit helpers (max, cdiv, zeros) fail under the interpreter when
-    # triton was imported before TRITON_INTERPRET was set, so the kernels use builtins only. This
-    # combine function is the one tl.max uses; the interpreter maps it onto numpy (a custom one would
-    # be reduced element by element in Python).
+    # Not tl.max: triton.language's @jit helpers fail under the interpreter when triton was imported before
+    # TRITON_INTERPRET was set. This is tl.max's combine function, which the interpreter maps onto numpy.
     return tl.reduce(tl.abs(x), axis, tl.standard._elementwise_max)
 
 
@@ -277,8 +273,7 @@ def quant_act_both(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = Non
 def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
     """``w [...,N,K]`` (2-D or 3-D) -> ``q`` e4m3 same shape, ``s [...,⌈N/128⌉,⌈K/128⌉]`` fp32, and with
     ``transpose`` also ``q_t = q.mT`` contiguous (the K-major Dgrad operand; scales ``s.mT``). ``q_t`` is torch's
-    copy of ``q``'s bytes: the kernel's own transposed store of a ragged 3-D weight wrote wrong bytes on an H100
-    (Triton 3.6; half of ``q_t`` in the self-check), and a weight is quantised once per step."""
+    copy of ``q``'s bytes (the kernel's own transposed store of a ragged 3-D weight is wrong on Hopper)."""
     _check_input(w, (2, 3))
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     E, N, K = w3.shape

@@ -4,8 +4,7 @@
 
 Same operands as the Triton GEMM (``a [M,K]``, ``b [N,K]``, both K-contiguous; ``sa [M,⌈K/128⌉]``; ``sb``
 128×128 blocks ``[⌈N/128⌉,⌈K/128⌉]`` or per-row ``[N,⌈K/128⌉]``) and the same numerics contract: the scales
-differ per 128 of K, so cuBLASLt applies them (promotes into FP32) every 128 products. Measured on an H100
-against the reference (dequantise, FP32 matmul): the same error as the Triton kernel.
+differ per 128 of K, so cuBLASLt applies them (promotes into FP32) every 128 products.
 
 cuBLASLt's scale layouts, converted here: 1×128 scales outer-dim major (``s.t().contiguous().t()``); 128×128
 scales as ``[⌈K/128⌉ rounded up to 4, ⌈N/128⌉]`` (zero-padded, then transposed). It takes K in whole
