@@ -6,12 +6,10 @@ dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weigh
 (``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers) and each
 attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``;
 under inductor only with ``DSV3_COMPILE_ROPE=1`` until a GPU has run it: ``rope_enabled``).
-In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations (FP32 copies
-included), a SwiGLU 3 and 5, the combine a gather, a product over the K copies and a sum, whose backward scatters
-into zeros, the rotation two casts, four products, a sum, a difference and two concatenations; compiled, each is
-one or two generated kernels each way. They are the largest share of the step's
-elementwise bytes (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling
-them cannot break a graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
+In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
+region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
+(``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
+graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
 
 Modes (``MODES``): ``auto`` compiles on CUDA and leaves the CPU eager (inductor's CPU code is not faster for
 the tiny models run there, and its first compile costs seconds); ``on`` compiles on any device; ``off`` never.

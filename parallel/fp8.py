@@ -22,10 +22,7 @@ Zero-bubble split (``parallel/wgrad.py``): with a ``wgrad_queue`` set, the backw
 hands the Wgrad GEMM to the queue (``queue.submit``), which runs it now or, inside ``queue.collect``, at W —
 the same FP8 operands either way, so the gradients are bit-identical.
 
-Backends (``kernels.get_ops``): ``auto`` (on CUDA tensors the fastest self-checked engine per op, emulation
-otherwise; resolved per call from the input's device), ``triton`` (GPU, or CPU under the interpreter — tests
-only), ``torch`` (torch's blockwise dense GEMM; no grouped GEMMs), ``emulation`` (plain torch, bit-identical
-quantisation, FP32 matmul of the dequantised values — CPU training).
+Backends: ``kernels.get_ops`` (``auto`` is resolved per call from the input's device).
 """
 from __future__ import annotations
 

@@ -4,45 +4,28 @@ a built model keep only their inputs for backward and run again there (non-reent
 
 Modes:
 - ``none``: autograd keeps everything it saves.
-- ``selective`` (DeepSeek-V3's set, report §3.2.2 / §3.3): every RMSNorm outside MLA (attention / FFN
-  norms, the final and the MTP norms) keeps only its input; ``MLA.core`` -- the up-projection paths (q_norm,
-  wq_b, kv_norm, wkv_b, rope) and the attention they feed -- keeps only the latents it starts from (the
-  query latent, or wq's output without q_lora, and wkv_a's output): V3 stores no up-projection output, and
-  as the attention's backward needs q, k, v, the region takes the attention in too, which runs its forward
-  again in backward (V3's fused kernels avoid that); every ``SwiGLU`` product (dense MLPs, shared experts)
-  keeps only ``h1, h3``. The outputs of these regions are still kept by whatever consumes them: the
-  attention's by wo; a norm's output is kept by the next linear, as an FP8 copy when that linear is FP8
-  (``train.precision=fp8``, ``parallel/fp8.py``) -- V3's layout -- else in the activation dtype; the SwiGLU
-  product by w2 likewise. The routed experts' SwiGLU (``GroupedExperts.act``) is covered too. With FP8
-  experts (``train.precision=fp8``) a MoE layer's SwiGLUs -- routed and shared experts -- keep ``h1, h3`` as
-  FP8 with 1×128 scales instead (``parallel.fp8.FP8CachedSwiGLU``, V3 §3.3.2), and recompute from those:
-  not a checkpoint region, and gradients see the FP8 rounding of h1 and h3 (forward values are exact).
+- ``selective`` (DeepSeek-V3's set, report §3.2.2 / §3.3): every RMSNorm outside MLA keeps only its input;
+  ``MLA.core`` (q_norm, wq_b, kv_norm, wkv_b, rope and the attention they feed: its backward needs q, k, v)
+  keeps only the latents it starts from; every ``SwiGLU`` product (dense MLPs, shared and routed experts)
+  keeps only ``h1, h3``. A region's output is still kept by its consumer (wo, the next linear, w2), as an FP8
+  copy when that linear is FP8. With FP8 experts a MoE layer's SwiGLUs keep ``h1, h3`` as FP8 instead
+  (``parallel.fp8.FP8CachedSwiGLU``, V3 §3.3.2): not a checkpoint region; gradients see their FP8 rounding.
 - ``full``: a dense block keeps only its input (``Block.forward`` is one region). A MoE block cannot be one
-  region (its dispatch / combine all-to-alls must not run again in backward, and ``MoE.forward`` counts
-  routed tokens): its calls between the all-to-alls are regions -- ``Block.attention`` (attn_norm, all of
-  MLA, the residual), ``ffn_norm``, the shared experts and the routed experts -- so per MoE layer it keeps
-  the block input, the residual after attention, the FFN-norm output (gate and shared experts), the gate's
-  and balance loss's tensors, the dispatched token copies and the combine's (expert outputs, gate weights).
-  Not regions: ``MoE.gate`` (its scores are kept by the balance loss anyway), ``MoE.balance`` (counts the
-  load: a side effect), ``MoE.post_combine`` (as a region it would also keep the combine output). Joining
-  ``ffn_norm`` to ``attention`` (one region returning both) would drop the residual after attention from
-  the saved tensors, but the overlapped F&B's tape carries that residual across the dispatch and combine
-  cuts anyway, so on the pipeline path that matters it would free nothing (measured: the saved bytes fell
-  by D*a per MoE layer, the live bytes did not).
-  The final norm, head, loss and MTP's projection are not recomputed (MTP's block is, like any block).
+  region (its all-to-alls must not run again in backward, and ``MoE.forward`` counts routed tokens): its calls
+  between the all-to-alls are regions (``Block.attention``, ``ffn_norm``, the shared and the routed experts).
+  Not regions: ``MoE.gate`` (the balance loss keeps its scores anyway), ``MoE.balance`` (counts the load: a
+  side effect), ``MoE.post_combine`` (as a region it would also keep the combine output). The final norm,
+  head, loss and MTP's projection are not recomputed (MTP's block is, like any block).
 
-No region contains a collective: regions are module calls between the expert all-to-alls, so the same
-regions serve ``Block.forward`` and the pipeline's piecewise F&B (``parallel/pipeline/overlap.py``, whose
-pieces call these modules). The pipeline's B recomputes a region once and W recomputes nothing: W runs only
-the weight-gradient GEMMs B queued (``parallel/wgrad.py``). A W that walked the graph again would recompute
-every region a second time (each backward call is its own graph task; ``tests/test_recompute.py`` counts
-both).
+No region contains a collective, so the same regions serve ``Block.forward`` and the pipeline's piecewise F&B
+(``parallel/pipeline/overlap.py``). The pipeline's B recomputes a region once and W recomputes nothing: W runs
+only the weight-gradient GEMMs B queued (``parallel/wgrad.py``); a W that walked the graph again would
+recompute every region a second time.
 
 Mechanism: each chosen module's class is swapped for a subclass whose region methods run under
 ``checkpoint`` (as ``torch.distributed.fsdp.fully_shard`` swaps classes): parameters, state-dict keys and
 numerics are unchanged. Apply it after every transform that replaces modules (``apply_ep``, ``apply_fp8``,
-``apply_deferred_wgrad``; the order lives in ``parallel.parallelize``):
-a replaced module is a new object of its own class and would not recompute.
+``apply_deferred_wgrad``; the order lives in ``parallel.parallelize``): a replaced module would not recompute.
 """
 from __future__ import annotations
 

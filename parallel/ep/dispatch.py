@@ -20,7 +20,7 @@ input dtype where the experts run. The hierarchical dispatcher quantises once, b
 and the forwarding rank passes the bytes and scales on unchanged: one route across both hops, so it has no
 cut (its ``dispatch`` / ``combine`` run synchronously with autograd, nothing hidden). Combine stays in the
 activation dtype (BF16 under autocast). Backward is straight-through: the dispatch gradient goes back
-unquantised. Needs D % 128 == 0. Gate weights, expert ids and counts are sent as before.
+unquantised. Needs D % 128 == 0. Gate weights, expert ids and counts are not quantised.
 
 Shape legend: T tokens, K experts per token, D hidden, E experts (global), R received copies, N nodes.
 """
