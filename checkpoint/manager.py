@@ -17,20 +17,14 @@ anything is written; a failed write (full disk, ...) removes the temp dir, names
 touches no earlier checkpoint. Old checkpoints are pruned only after a save succeeded, and never one newer
 than it (a newer dir is another timeline or damaged: left for the user).
 
-In the background (``save_async``, ``checkpoint.async_save``): the same save, in the same order, but after the
-non-finite check and the temp dir the caller's state is copied to CPU memory (``stage``) and the rest (DCP write,
-digests, manifest, rename, ``latest``, pruning) runs on one background thread, whose collectives use a gloo group
-of their own, issued in the same order on every rank. One save at a time: the next save, ``wait`` and ``close``
-wait for it first; ``wait`` re-raises its ``CheckpointWriteError``.
+In the background (``save_async``, ``checkpoint.async_save``): the same save, but after the non-finite check and
+the temp dir the state is copied to CPU memory (``stage``) and the rest runs on one background thread, whose
+collectives use a gloo group of their own, issued in the same order on every rank. One save at a time.
 
-Load: ``resolve("auto")`` tries the step dir named by ``latest`` first (validated; preceded by any newer dir
-completed after ``latest`` was written: a save killed before it could update ``latest``), then every
-``step_*`` dir newest first; damaged ones are skipped with a warning naming the dir and the file (if none verifies:
-one error listing them all; a damaged explicit ``checkpoint.resume`` path: an error naming the file; all
-are ``ConfigError``s, one line and exit 2 from the CLI). Verification checks
-every listed file's size and sha256 (split over the ranks; all ranks gather the results, so all pick the
-same checkpoint) and that ``.metadata`` unpickles; a step dir without ``manifest.json`` is damaged (its files
-cannot be verified).
+Load: ``resolve`` picks the newest checkpoint that verifies (order: ``_candidates``), skipping damaged ones
+with a warning; errors are ``ConfigError``s (one line, exit 2). Verification checks every listed file's size
+and sha256 (split over the ranks; all ranks gather the results, so all pick the same checkpoint) and that
+``.metadata`` unpickles; a step dir without ``manifest.json`` is damaged.
 
 Tensors are stored under the single-device model's names, so other layouts can load them.
 

@@ -1,43 +1,31 @@
 """``python -m trainer.torchrun [torchrun options] -m trainer [overrides]``: torchrun, quiet when a rank fails.
 
-The same launcher (``torch.distributed.run``: same arguments and rendezvous). When a worker fails, stock
-torchrun raises ``ChildFailedError`` out of its main: a traceback of the launcher itself and a report per
-failed rank, about 40 lines after the trainer's own one-line error, and exit code 1 whatever the worker's
-code. Nothing a worker does shortens that: writing the elastic error file (``@record``,
-``TORCHELASTIC_ERROR_FILE``) only adds the worker's traceback to the report. This one exits with the first
-failed worker's code (2 config error, 3 failed, ...; 128 + N for a worker killed by signal N) and prints one
-line naming that worker, or nothing for a config error (rank 0 has printed it: ``trainer/__main__.py``).
-The workers that the agent then ends with its closing SIGTERM are told so (``DSV3_LAUNCHER_CLOSING``,
-``trainer.lifecycle.closed_by_launcher``): one still starting up leaves without its start-up stop line, which
-would read as a stop request to resume from.
+The same launcher (``torch.distributed.run``: same arguments and rendezvous), without stock torchrun's ~40-line
+``ChildFailedError`` report and exit code 1 when a worker fails. This one exits with the first failed worker's
+code (2 config error, 3 failed, ...; 128 + N for a worker killed by signal N) and prints one line naming that
+worker, or nothing for a config error (rank 0 has printed it). The workers that the agent then ends with its
+closing SIGTERM are told so (``DSV3_LAUNCHER_CLOSING``, ``trainer.lifecycle.closed_by_launcher``), so one still
+starting up prints no stop line, which would read as a stop request to resume from.
 
 The first failed worker is the first to end, by time (``ExitWatch``, to about 10 ms), among those that failed
-on their own. Torch's choice is not: it stamps failures in whole seconds when its agent polls, so a worker
-killed by SIGKILL (the OOM killer) and the peer that lost its connection to it and exited 3 a moment later
-tie, and torch names the lower rank; nor is a worker that the agent itself sent SIGTERM once another had
-failed (it exits 75, 3 or -15) ever named while one that failed on its own is known. A worker that exits 75
-(stopped on request with a checkpoint) has not failed: when every worker that ended did so with 75, the
-launcher says so in one line and exits 75.
+on their own: torch stamps failures in whole seconds, so a worker killed by the OOM killer and the peer that
+exited 3 a moment later would tie and torch would name the lower rank. A worker that exits 75 (stopped on
+request with a checkpoint) has not failed: when every worker that ended did so with 75, the launcher says so
+in one line and exits 75.
 
-Stop signals. SIGTERM and SIGUSR1 to the launcher (SLURM: preemption, ``scancel [--signal=USR1]``, the time
-limit, ``--signal=USR1@<s>``) are forwarded, as they are, to every worker, which finishes its step, saves a
-checkpoint and exits 75 (``trainer/lifecycle.py``); the launcher keeps waiting and exits 75 with one line.
-Stock torchrun forwards SIGTERM but then raises ``SignalException`` (a traceback, exit 1) and SIGKILLs the
-workers still saving after ``--shutdown-timeout`` (30 s); SIGUSR1 is not among its signals at all, so it
-ends the launcher and leaves the workers running. A stop signal before the workers started (the
-rendezvous) ends the launcher with exit 75 at once. These two signals are the launcher's own whatever
-``--signals-to-handle`` lists (the others there stay torch's: SIGINT, SIGHUP, SIGQUIT by default), except
-where they are ignored when it starts (``tools/slurm/train.sbatch``: SLURM signals the workers directly
-there, and a forwarded copy would be a second one).
+Stop signals: SIGTERM and SIGUSR1 to the launcher are forwarded to every worker, which finishes its step,
+saves a checkpoint and exits 75 (``trainer/lifecycle.py``); the launcher waits for them and exits 75 with one
+line (stock torchrun raises ``SignalException`` and SIGKILLs the workers still saving; SIGUSR1 ends it and
+leaves the workers running). A stop signal before the workers started exits 75 at once. These two signals
+are the launcher's own whatever ``--signals-to-handle`` lists, except where they are ignored when it starts
+(``tools/slurm/train.sbatch``: SLURM signals the workers directly there).
 
 Also sets ``OMP_NUM_THREADS=1`` when unset: torchrun's own default, without its four-line banner.
 
 Before the agent starts, a c10d ``--rdzv_endpoint`` that something already listens on must answer as a
-rendezvous store (``check_endpoint``). Stock torchrun connects to whatever holds the port (another job, a
-service) and waits on it in silence (minutes, with nothing printed): here that is one line naming the
-endpoint, exit 2. A node that never joins the rendezvous: one line naming the endpoint and the join timeout
-(``--rdzv-conf join_timeout=<s>``), exit 3, instead of torch's ``RendezvousTimeoutError`` traceback. (A worker
-that never joins the process group is the trainer's to name: ``parallel.timeout_s``, ``trainer/__main__.py``.)
+rendezvous store (``check_endpoint``), else one line naming the endpoint and exit 2 (stock torchrun waits on
+it in silence). A node that never joins the rendezvous: one line naming the endpoint and the join timeout
+(``--rdzv-conf join_timeout=<s>``), exit 3.
 """
 from __future__ import annotations
 

@@ -1,30 +1,8 @@
 """The Weights & Biases side of ``trainer.metrics.MetricsLogger`` (rank 0; offline by default).
 
-Panels are grouped by the metric name's prefix (W&B makes one section per prefix):
-
-  train/       loss, mtp_loss, aux_loss, lr, grad_norm, tokens, bias_update_speed, mtp_loss_weight
-               (val/loss: validation)
-  throughput/  tokens_per_s (global), step_time_s, tflops_per_rank (achieved model FLOP/s per rank),
-               mfu (against the device's peak; omitted when the peak is unknown, e.g. on CPU)
-  time/        <phase>_s: seconds of each phase of the step (forward_backward, gradient_reduction,
-               gradient_reduction_and_optimizer_step, expert_load_all_reduce; trainer/timers.py)
-               rank_skew, slowest_rank (world > 1): (slowest - median) / median of the ranks' compute seconds
-               in the previous step, and which rank (Trainer.straggler_metrics)
-  experts/     max_over_mean (worst layer), moe<i>_max_over_mean / moe<i>_min_over_mean per MoE layer,
-               moe<i>_load (histogram: tokens per expert), load_heatmap (image: MoE layer x expert,
-               load / mean over the steps since the previous heatmap: a ``trainer.expert_load`` window)
-  comm/        cross_node_tokens (token copies sent across a node boundary, summed over layers and
-               ranks), cross_node_per_token (that / (tokens x MoE layers)), max_nodes_per_token,
-               dispatch_s, combine_s (EP runs only)
-  pipeline/    (pp > 1) bubble_measured (rank 0's idle share of its span, from the executor),
-               bubble_simulated (the simulator on the same action lists with the step's measured costs),
-               bubble_unit_costs (the schedule alone: largest bubble / makespan with F = b = W = 1, no
-               overlap, no p2p latency; logged once, also in the summary)
-  health/      unhealthy (the health guard's verdict on the step, trainer/health.py), rollbacks (so far)
-  memory/      peak_gb_max / peak_gb_min / peak_rank over ranks, rank<r>_peak_gb (worlds <= 64):
-               CUDA ``max_memory_allocated``, on CPU the process's peak RSS
-               state_{params,grads,master,optim}_gb: the training state rank 0 holds (optimizer accounting,
-               parallel/zero/memory.py; constant over a run)
+Panels are grouped by the metric name's prefix (W&B makes one section per prefix: ``train/``, ``throughput/``,
+``time/``, ``experts/``, ``comm/``, ``pipeline/``, ``health/``, ``memory/``); ``panel_name`` maps the keys, and
+docs/operations.md lists every panel.
 
 The run id is passed to ``wandb.init(id=..., resume="allow")``: a resumed run continues the same W&B run.
 Offline, every start writes its own ``offline-run-<time>-<id>`` dir with that id; ``wandb sync`` uploads
