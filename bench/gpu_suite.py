@@ -6,40 +6,17 @@ markdown report (and ``REPORT.json`` beside it) after every part, so a killed ru
 parts on disk, records a part that fails and goes on, prints a summary table last, and exits 1 if any part
 failed or did not run for lack of time (0 otherwise; ``--strict-targets``: also 1 if a target is missed).
 
-Parts (``--parts engines,kernels,quant,gemm,grouped,trainer,step``; default all, in this order):
-  engines  (a) self-checks of every launch variant of the Triton GEMMs (warp-specialised too), of the Triton
-           quantisers (bit-exact) and of torch's blockwise GEMM on this device; the engines ``auto`` uses per op.
-  kernels  (a) ``pytest tests/test_fp8_kernels.py tests/test_fp8_linear.py tests/test_hopper_gate.py``, compiled
-           on the GPU (subprocess, timeout), pass/fail counts from its JUnit XML.
-  quant    (b) FP8 quantisers (1×128, 128×1 transposed, 128×128) in GB/s beside a device-to-device copy of the
-           same tensor; bit-exact vs the reference.                      target: >= 80 % of copy bandwidth
-  gemm     (b) dense blockwise FP8 GEMM, Fprop/Dgrad/Wgrad, M in {4096, 16384}, N, K in {2048, 7168, 16384},
-           beside torch BF16 matmul and ``_scaled_mm`` (blockwise where torch supports it).
-                                                      target: >= 1.4x BF16 at large shapes (M >= 8192, N, K >= 7168)
-  grouped  (b) grouped FP8 GEMM of the routed experts (fwd/dgrad/wgrad, 8-32 experts, ragged), beside
-           ``torch._grouped_mm`` BF16 and ``torch._scaled_grouped_mm`` (row-wise).  target: fwd >= 1.2x BF16
-  trainer  (c) ``python -m trainer +exp=tiny`` 40 steps on CUDA in fp32, bf16 and fp8 and on the CPU in fp32,
-           all from the same weights; per-step losses vs the CPU run (CUDA fp32 tightly, bf16/fp8 loosely:
-           ``bench/train_check.py``), tokens/s. Needs Hydra: the
-           suite installs ``.whl/*.whl`` into a temp dir when hydra is missing (else: skipped, with the reason).
-  step     (d) one training step of ``v3_small`` cut to 4 layers, bf16 vs fp8 (batch 4 x 2048 tokens):
-           tokens/s, MFU vs 989 TFLOP/s, peak memory.                   target: FP8 step faster than BF16
-Timing: CUDA events via ``triton.testing.do_bench`` (median, L2 flushed before each call), fresh random
-inputs per shape, every kernel checked against ``kernels/reference.py`` before it is timed, every baseline
-in the same run. Parts (b) import no Hydra/omegaconf/datasets/wandb. The parts are in
-``bench/gpu_suite_parts.py``; targets, marks and budgets in ``bench/gpu_suite_ctx.py``.
+Parts (``--parts engines,kernels,quant,gemm,grouped,trainer,step``; default all, in this order; what each
+measures and its target: docs/gpu.md, thresholds in ``bench/gpu_suite_ctx.py``): (a) the engines' self-checks
+and the kernel tests compiled on the GPU, (b) the FP8 benches (``bench.fp8_*``, no Hydra), (c) the tiny trainer
+on CUDA vs the CPU (``bench/train_check.py``; needs Hydra: the suite installs ``.whl/*.whl`` into a temp dir when
+it is missing), (d) one ``v3_small`` step cut to 4 layers, bf16 vs fp8. Every kernel is checked against
+``kernels/reference.py`` before it is timed, every baseline runs in the same process. The parts are in
+``bench/gpu_suite_parts.py``.
 
-Options: ``--quick`` (fewer shapes, ~5 min), ``--deadline-s N`` (parts not started within N s are listed
-as not run; measuring loops stop at their part's budget), ``--append`` (keep the other parts of an earlier
-report at the same ``--out``: run the suite in several calls), ``--strict-targets``.
-
-GPU session with the device tool (the machine has no Hydra and no network; the report comes back in $OUT):
-  1. here, once:  ``bash bench/gpu_wheels.sh``   (hydra-core, omegaconf, antlr4 wheels into the ignored .whl/)
-  2. device ``run`` with ``carry: [".whl"]``, ``timeout_s: 600``, command:
-       PYTHONUNBUFFERED=1 python3 -m bench.gpu_suite --out $OUT/gpu_report.md --deadline-s 540 2>&1 | tee $OUT/gpu_suite.log
-  3. if parts were cut (listed as not run), copy the returned gpu_report.md/.json into runs/gpu/ here and
-     finish them in a second call, ``carry: [".whl", "runs/gpu"]``:
-       cp runs/gpu/gpu_report.* $OUT/ && PYTHONUNBUFFERED=1 python3 -m bench.gpu_suite --out $OUT/gpu_report.md --append --parts trainer,step 2>&1 | tee $OUT/gpu_suite2.log
+Options: ``--quick``, ``--deadline-s N`` (parts not started within N s are listed as not run), ``--append``
+(keep the other parts of an earlier report at the same ``--out``: run the suite in several calls),
+``--strict-targets``. On the lent GPU machine: docs/gpu.md.
 """
 from __future__ import annotations
 

@@ -2,29 +2,22 @@
 
     python bench/pipeline_overlap.py [--ep 1] [--latency-ms 2 4 8] [--steps 8] [--dim 128] [--rows 4]
 
-pp=2 (DualPipe) x ep gloo processes, 8 micro-batches of ``--rows`` sequences of ``--seq`` tokens, a
-5-layer MoE model (all layers MoE, MTP depth 1; layout 3+2 layers, so both stages hold three MoE
-blocks, the last stage's third being the MTP block). Every expert all-to-all is in flight
-for ``--latency-ms`` (injected wire time: a deadline, see ``bench/latency.py``), forward and
-backward (with ``--ep 2``, the trainer's default hierarchical dispatcher over two EP nodes: the
-inter-node hops). With ``--ep 1`` each rank's experts stay local, so the 2 processes do not oversubscribe
-a 2-core machine: by default the single-device dispatcher with the latency on its two cuts, so that the host
-does nothing but compute (``--ep1-route solo``: an all-to-all dispatcher over a one-rank gloo group, whose
-worker thread copies the rows meanwhile; at L = 0 overlapped, that thread competes with the compute). For overlap off/on and latency 0/L it times the F&B actions (the only place overlap
-can act) and the whole step, on the slowest rank (best of ``--steps`` steps; the configurations run
-round-robin, one step each, in an order reversed every other round, so that a shared machine's load drifts over
-all of them alike, and the minimum drops the steps that another job's burst slowed down; the L = 0 overhead is
-also given paired, as the median over rounds of each round's on / off ratio):
+pp=2 (DualPipe) x ep gloo processes, 8 micro-batches of ``--rows`` sequences of ``--seq`` tokens, a 5-layer
+all-MoE model with MTP depth 1 (layout 3+2: both stages hold three MoE blocks). Every expert all-to-all is in
+flight for ``--latency-ms`` of injected wire time (a deadline, ``bench/latency.py``), forward and backward; with
+``--ep 2`` over the hierarchical dispatcher's two EP nodes. ``--ep 1`` (the default) keeps each rank's experts
+local so 2 processes fit a 2-core machine: the single-device dispatcher with the latency on its two cuts
+(``--ep1-route solo``: an all-to-all dispatcher over a one-rank group, whose worker thread competes with the
+compute). For overlap off/on and latency 0/L it times the F&B actions and the whole step on the slowest rank,
+best of ``--steps``, the configurations round-robin in an order reversed every other round, so a shared
+machine's load drifts over all alike (the L = 0 overhead also as the median of each round's on / off ratio):
 
     hidden = 1 - (FB_on(L) - FB_on(0)) / (FB_off(L) - FB_off(0))
 
-i.e. the share of the injected latency inside F&B actions that no longer adds to their time.
-``FB_off(L) - FB_off(0)`` is the injected time itself (overlap off waits for every transfer at once).
-Cross-check from inside the overlapped F&Bs (less sensitive to a shared machine's load, which varies
-between runs): the time blocked in waits for transfers, ``1 - (wait_on(L) - wait_on(0)) / injected_on(L)``
-with ``injected_on(L)`` the latency injected into the transfers waited for per step. It also reports
-the compute time of one piece of an overlapped F&B at latency 0 (what one transfer of the other half
-can hide behind: 10th, 50th, 90th percentile) for each half.
+the share of the injected latency inside F&B actions that no longer adds to their time. Cross-check from
+inside the overlapped F&Bs: ``1 - (wait_on(L) - wait_on(0)) / injected_on(L)``, the time blocked in waits for
+transfers over the latency injected into them. It also reports the compute time of one piece of an overlapped
+F&B at latency 0 (what one transfer can hide behind: 10th, 50th, 90th percentile) for each half.
 """
 from __future__ import annotations
 

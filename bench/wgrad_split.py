@@ -9,7 +9,7 @@ then one backward variant, round-robin so that a shared machine's load drifts ov
 - ``full``     plain backward of the unconverted stage (``torch.autograd.backward``);
 - ``full*``    the same on the converted stage outside ``collect`` (the modules' own cost);
 - ``B``, ``W`` ``queue.backward`` (input gradient + norms + gate, dW GEMMs queued), ``queue.run``;
-- ``old B``, ``old W``  today's split: ``inputs=[x], retain_graph=True``, then ``inputs=params`` (re-traversal);
+- ``old B``, ``old W``  re-traversal: ``inputs=[x], retain_graph=True``, then ``inputs=params``;
 - ``dW GEMMs`` the queued closures alone (no accumulation): what W cannot do without.
 
 The target: ``(B + W) / full <= 1.10`` and W close to the dW GEMMs. Each part is timed on

@@ -27,13 +27,9 @@ into ``mtp.safetensors`` (``mtp-rankNNNNN.safetensors`` when sharded), which ``f
 (it reads ``model.safetensors`` or the files its index names). Import reads the files the index names and
 every ``*.safetensors`` it does not name.
 
-Import streams (``load_hf_into``): it fills only the tensors the model holds (a pipeline stage's layers, a
-slice of the experts), opening the file once per tensor: a ``safe_open`` handle maps the whole file and every
-page read through it stays resident until the handle closes. FP8 ``weight`` + ``weight_scale_inv`` blocks
-are dequantised straight into the target, a block row at a time. Peak host memory: the model's own tensors
-plus about one checkpoint tensor. Export (``models/hf_export.py``): ``to_hf`` (one process), or ``save_hf_shard`` on every rank and
-``write_hf_index`` once; both write ``config.json`` and ``generation_config.json`` and, given a tokenizer, its
-files, with ``bos/eos/pad`` ids taken from it. Recipes: docs/hf.md.
+Import streams (``load_hf_into``), opening the file once per tensor: a ``safe_open`` handle maps the whole file
+and every page read through it stays resident until the handle closes. Export: ``models/hf_export.py``.
+Recipes: docs/hf.md.
 
 Config: ``models/hf_config.py`` (what our model cannot express raises ``ModelError`` naming the key).
 """
