@@ -6,14 +6,11 @@ the schedule's placement, which ``schedules.actions.add_p2p`` makes FIFO-consist
 checks (the k-th SEND a -> b and the k-th RECV b <- a carry the same (payload, micro-batch, stage)).
 
 **One channel per direction.** Each ordered pair of adjacent pipeline ranks (a -> b) gets its own
-two-rank process group, used only for a's sends to b and b's receives from a. Unbatched p2p in torch's
-NCCL backend runs on one communicator and one CUDA stream per rank *pair* (or per group, when the group
-was initialised eagerly), and NCCL ops on a stream run one after the other. With a single channel for
-both directions, a receive posted early (FIFO order forces some, see ``add_p2p``) would sit on the
-stream in front of a later send to the same peer, while the peer's stream holds its own receive in
-front of the send we wait for: a deadlock that gloo never shows. With a channel per direction each
-stream carries one FIFO of one kind of operation, and the only order that matters is the FIFO order
-the schedule already guarantees.
+two-rank process group, used only for a's sends to b and b's receives from a. Torch's NCCL p2p runs on one
+CUDA stream per rank pair (or group), in order; with one channel for both directions, a receive posted early
+(``add_p2p`` forces some) would sit in front of a later send to the same peer while the peer's stream holds
+its own receive in front of the send we wait for: a deadlock that gloo never shows. With a channel per
+direction the only order that matters is the FIFO order the schedule already guarantees.
 
 **NCCL-strict mode** (``DSV3_NCCL_STRICT=1``; the test suite sets it): every transfer is preceded on
 its channel by a small header naming what the sender meant to send ((payload, micro-batch, stage),

@@ -17,23 +17,17 @@ raises ``ScheduleError`` (with the rank, the action's position and what is wrong
 Timing model. Compute actions take their cost from ``Costs``; F&B takes ``costs.fb`` (default F + BW,
 i.e. no overlap; set it lower to model overlap). A SEND takes no time and never blocks its rank; a
 RECV completes at max(now, time of the matching SEND + ``costs.p2p``), the matching SEND being the next
-unmatched one from its peer (FIFO). This is the contract for the
-executor too: sends must not hold up the sender's compute (post them asynchronously and wait for them
-lazily); only a RECV waits. Under rendezvous semantics (every batched exchange waited for, sends
-included) the DualPipe lists as placed here can deadlock; an executor that wants that needs a
-placement pass, and this simulator is the place to check it.
+unmatched one from its peer (FIFO). This is the contract for the executor too: sends must not hold up the
+sender's compute; only a RECV waits (under rendezvous semantics the DualPipe lists as placed here can deadlock).
 
 Bubble: the idle time of a rank between the start of its first compute action and the end of its
 last, ``span - busy`` (idle while waiting on a RECV counts, the start-up delay of a rank whose first
 input arrives late does not). The schedule's bubble, the number the report's table gives, is the
-largest per-rank bubble; it is on rank 0 for every schedule here, which starts first and ends last,
-so it also equals ``makespan - busy(rank 0)``. The table's formulas ((pp-1)(F+B) for 1F1B,
-(pp-1)(F+B-2W) for ZB1P, (PP/2-1)(F&B+B-3W) for DualPipe, B = full backward = b + w) hold exactly
-under the table's cost model: p2p = 0, W <= F, and for DualPipe/DualPipeV also F = b and no overlap
-credit (F&B = F + B), e.g. F=2, b=2 (B=3), W=1, F&B=5. With overlap (F&B < F + B, F = b) the
-simulated DualPipe bubble is smaller than the formula by (PP/2-2)(F+B-F&B): the formula credits the
-overlap of rank 0's own F&Bs, the simulation also that of the F&Bs on the critical path through the
-other ranks. Tests pin both statements.
+largest per-rank bubble (on rank 0 for every schedule here: ``makespan - busy(rank 0)``). The table's
+formulas (``table_bubble``) hold exactly under its cost model: p2p = 0, W <= F, and for DualPipe/DualPipeV
+also F = b and F&B = F + B. With overlap (F&B < F + B) the simulated DualPipe bubble is smaller than the
+formula by (PP/2-2)(F+B-F&B): the simulation also credits the overlap of the F&Bs on the critical path
+through the other ranks.
 
 Activations: a forward's activation is live from the start of its F until the end of the backward
 that consumes it (B for zero-bubble, BW otherwise); the inputs a deferred W keeps are not counted. In
