@@ -21,16 +21,12 @@ What it does
 * ``step(max_norm)``: DeepSpeed computes the global gradient norm over all partitions, clips to
   ``max_norm`` (its ``clip_grad``), runs AdamW on this rank's fp32 partition and all-gathers the
   parameters. Returns the norm before clipping.
-* Checkpoints: ``state_dict()`` gathers each parameter's full moments (over the ranks that share the
-  parameter; a collective) and returns them under the single-device names and global shapes, the
-  format of the other backends, so DCP checkpoints move between ``deepspeed``, ``native`` and
-  ``zero=0``. DeepSpeed's own checkpoint files are not used.
+* Checkpoints: ``state_dict()`` gathers each parameter's full moments (a collective) under the single-device
+  names and global shapes, the other backends' format, so DCP checkpoints move between backends.
 
-Not supported: BF16 weights (``train.precision=bf16|fp8``: config validation refuses it, naming the key; the
-native backend keeps BF16 weights with an FP32 master), BF16 moments (DeepSpeed ZeRO-1/2 keeps the wrapped optimizer's moments in fp32; config
-validation rejects ``optim.moment_dtype=bf16``), pipeline parallelism (``parallel.pp > 1``, rejected by
-config validation), one process (DeepSpeed needs ``torch.distributed``: launch with torchrun and
-dp >= 2), DeepSpeed's fp16 loss scaling, CPU/NVMe offload and ZeRO-3.
+Not supported: BF16 weights (``train.precision=bf16|fp8``), BF16 moments (DeepSpeed keeps the wrapped
+optimizer's moments in fp32), pipeline parallelism (config validation refuses these three, naming the key);
+one process (launch with torchrun and dp >= 2); DeepSpeed's fp16 loss scaling, CPU/NVMe offload and ZeRO-3.
 """
 from __future__ import annotations
 

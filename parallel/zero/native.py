@@ -4,11 +4,8 @@ Which ranks share what (``ParallelDims``): dense parameters are replicated over 
 pipeline stage and sharded over them; routed-expert parameters are already split over ``ep`` and
 replicated over ``edp = dp / ep``, so they are sharded over the expert-dp group.
 
-Layout (``buckets.py``): every parameter is cut into ``torch.chunk``-style pieces along one dimension
-(checkpoints are plain DTensors that DCP reshards), and the pieces are grouped into buckets, each one
-``[k, S]`` buffer for a reduce group of ``k`` ranks, so a single ``reduce_scatter`` leaves every rank the
-summed gradient of exactly its pieces, and one ``all_gather`` of the updated FP32 master pieces rebuilds
-every parameter.
+Layout: ``buckets.py``; one ``reduce_scatter`` per bucket leaves every rank the summed gradient of exactly its
+pieces, and one ``all_gather`` of the updated FP32 master pieces rebuilds every parameter.
 
 BF16 weights (``weights="bf16"``, ``master.py``): the master pieces come from the FP32 values the model
 arrives with, then the parameters are cast; gradients are accumulated in FP32 per parameter (``FP32Grads``)
