@@ -10,11 +10,9 @@ DCP runs in one process without ``init_process_group``. The weight/config mappin
 
 ``import`` records the model config exactly as converted (``models.hf.config_from_hf_dir``) and copies the HF
 directory's tokenizer files, if any, to ``<out_dir>/tokenizer/``. ``export`` writes the tokenizer given by
-``--tokenizer`` (a HF tokenizer directory or a tokenizer.json, read as the trainer reads ``data.tokenizer``),
-else the one a checkpoint carries (the trainer's step dir holds its tokenizer's files: bos/eos/pad, special
-tokens, chat template; ``tokenizer/`` or ``tokenizer.json`` in the checkpoint directory or its parent), with its
-special tokens and chat template, and takes ``bos/eos/pad`` ids from it. Both print what they wrote and how to load it.
-Errors (missing directory or files, unsupported config) print one line and exit with status 2.
+``--tokenizer`` (read as the trainer reads ``data.tokenizer``), else the one the checkpoint carries
+(``tokenizer/`` or ``tokenizer.json`` in the checkpoint directory or its parent), and takes ``bos/eos/pad`` ids
+from it. Both print what they wrote and how to load it. Errors print one line and exit with status 2.
 """
 from __future__ import annotations
 

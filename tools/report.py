@@ -10,8 +10,8 @@ a plot whose metrics the run lacks is left out) and a one-page summary, ``report
 same text; images referenced relatively, so the folder travels whole). W&B is never imported or read.
 
 The expert plot is a heatmap of ``expert_load.jsonl`` (x: the windows' end steps; y: every MoE layer's experts, one
-band per layer) above the worst MoE layer's max / mean load per step from ``metrics.jsonl``. A run dir without
-``expert_load.jsonl`` (written by older trainers) gets the second panel alone, and the summary says so.
+band per layer) above the worst MoE layer's max / mean load per step from ``metrics.jsonl`` (alone, and the
+summary says so, for a run dir without ``expert_load.jsonl``).
 
 ``metrics.jsonl`` holds one timeline (a resume or a rollback first cuts it back to its step); a step found twice
 anyway keeps its last line, and lines that do not parse (a torn last line) are dropped and counted. A path that is

@@ -5,13 +5,8 @@
         parallel.ranks_per_node=8 parallel.zero=1 data.seq_len=4096 train.micro_batch_size=1 \\
         train.global_batch_size=15360 --world-size 2048 --gpu-mem-gb 80
 
-Arguments are Hydra overrides, as for the trainer, plus these options (anywhere on the line):
-  --world-size N      ranks (default pp x ep, the smallest world for the layout)
-  --gpu-mem-gb G      memory per GPU for the verdict (default 80)
-  --headroom F        fraction of it kept free for the CUDA context, NCCL buffers and fragmentation (0.1)
-  --recipe v3|trainer precision of the model state (default v3, see below)
-  --recompute none|selective|full  activation recomputation (default: the config's train.recompute, none)
-
+Arguments are Hydra overrides, as for the trainer, plus the options of ``parse_args`` (anywhere on the line;
+``--headroom``: the share of GPU memory kept free for the CUDA context, NCCL buffers and fragmentation).
 The config is composed like the trainer's, but only the model and the layout are validated, so planned layouts
 can be sized. The memory model (per-rank weights, gradients, optimizer state, activations; what each recipe
 counts): ``trainer/memory_plan.py``, which the trainer's pre-flight check uses too.

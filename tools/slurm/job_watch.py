@@ -2,7 +2,7 @@
 
 submitit learns that a job ended from the result file the job writes when the Hydra job returns, or from
 ``sacct``. A job that exits early (a config error: exit 2; a crash; a kill) writes none, and on a cluster
-without accounting ``sacct`` fails ("Bypassing sacct error"), so the launcher waited forever. ``JobWatch``
+without accounting ``sacct`` fails ("Bypassing sacct error"), so the launcher would wait forever. ``JobWatch``
 swaps submitit's job poller, in the submitting process, for ``ControllerWatcher``: the state comes from
 ``sacct`` while it works and otherwise from the controller (``scontrol show job``, which keeps a finished
 job for ``MinJobAge``, 300 s by default; a job it no longer knows has ended), polled 2, 4, 8, ... s after
