@@ -19,7 +19,7 @@ from bench.suite_report import Mark, Part, Table, min_mark
 
 KERNEL_TESTS = ("tests/test_fp8_kernels.py", "tests/test_fp8_engines.py", "tests/test_fp8_linear.py",
                 "tests/test_fp8_tuning.py", "tests/test_cross_entropy.py", "tests/test_compile.py",
-                "tests/test_adamw_kernel.py", "tests/test_hopper_gate.py")
+                "tests/test_adamw_kernel.py", "tests/test_hopper_gate.py", "tests/test_cuda_graph.py")
 
 
 # ---------------------------------------------------------------------------------------------- (a) engines

@@ -4,8 +4,8 @@
 Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast),
 B compiled regions with torch's AdamW, C the trainer's step on CUDA (``train.compile=auto``, the Triton AdamW,
 BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16 moments became
-the default). All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated,
-random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time
+the default), G and H: C and D with their forward and backward replayed from a CUDA graph (``train.cuda_graph``).
+All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time
 (a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU
 kernels of one profiled step, and with ``--host-profile N`` the N functions with the most own host time. Needs
 CUDA (and omegaconf for the presets: the carried wheels).
@@ -17,13 +17,15 @@ import json
 import sys
 import time
 
-VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.moment_dtype)
-    "A": ("bf16, eager, torch AdamW (before)", "bf16", "off", "torch", 4, "fp32"),
-    "B": ("bf16, compiled, torch AdamW", "bf16", "auto", "torch", 4, "fp32"),
-    "C": ("bf16, compiled, Triton AdamW (the trainer's)", "bf16", "auto", "auto", 4, "auto"),
-    "D": ("fp8, compiled, Triton AdamW", "fp8", "auto", "auto", 4, "auto"),
-    "E": ("bf16, compiled, Triton AdamW, batch 8", "bf16", "auto", "auto", 8, "auto"),
-    "F": ("bf16, compiled, Triton AdamW, FP32 moments", "bf16", "auto", "auto", 4, "fp32"),
+VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.moment_dtype, train.cuda_graph)
+    "A": ("bf16, eager, torch AdamW (before)", "bf16", "off", "torch", 4, "fp32", False),
+    "B": ("bf16, compiled, torch AdamW", "bf16", "auto", "torch", 4, "fp32", False),
+    "C": ("bf16, compiled, Triton AdamW (the trainer's)", "bf16", "auto", "auto", 4, "auto", False),
+    "D": ("fp8, compiled, Triton AdamW", "fp8", "auto", "auto", 4, "auto", False),
+    "E": ("bf16, compiled, Triton AdamW, batch 8", "bf16", "auto", "auto", 8, "auto", False),
+    "F": ("bf16, compiled, Triton AdamW, FP32 moments", "bf16", "auto", "auto", 4, "fp32", False),
+    "G": ("C with its forward and backward as a CUDA graph", "bf16", "auto", "auto", 4, "auto", True),
+    "H": ("D with its forward and backward as a CUDA graph", "fp8", "auto", "auto", 4, "auto", True),
 }
 
 
@@ -56,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, deadline, res = reduced_config("v3_small", args.layers), time.monotonic() + args.deadline_s, {}
     for key in args.variants.split(","):
-        label, precision, compile_mode, adamw, batch, moments = VARIANTS[key]
+        label, precision, compile_mode, adamw, batch, moments, graph = VARIANTS[key]
         if time.monotonic() > deadline:
             print(f"{key} {label}: not run (deadline)")
             continue
         try:
             res[key] = measure_step_fitting(cfg, precision, batch, 2048, "cuda", iters=4 if batch == 4 else 2,
                                             profile=batch == 4, head_loss="fused", compile=compile_mode, adamw=adamw,
-                                            host_profile=args.host_profile, moments=moments)
+                                            host_profile=args.host_profile, moments=moments, cuda_graph=graph)
             print("\n".join(line(key, res[key])), flush=True)
             if res[key]["host_profile"]:
                 print(res[key]["host_profile"], flush=True)

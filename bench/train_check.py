@@ -191,7 +191,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
                  seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto",
-                 adamw: str = "auto", host_profile: int = 0, moments: str = "auto") -> dict:
+                 adamw: str = "auto", host_profile: int = 0, moments: str = "auto", cuda_graph: bool = False) -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
     last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``), ``compile`` ``train.compile``
@@ -199,7 +199,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces);
     ``moments``: ``optim.moment_dtype`` of the ``auto`` optimizer (``auto``: BF16 beside BF16 weights).
     ``host_profile``: the ``host_profile`` entry holds the top functions by own time of one more step under
-    ``cProfile`` (the host side: Python, dispatch, launches)."""
+    ``cProfile`` (the host side: Python, dispatch, launches). ``cuda_graph``: forward and backward replayed from a
+    CUDA graph (``train.cuda_graph``, ``parallel.cuda_graph``; the warm-up steps capture it)."""
     import torch
 
     import models
@@ -231,17 +232,28 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
-    def step() -> float:
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, cache_enabled=not cuda_graph)
+
+    def forward_backward(inputs, labels):
+        with autocast:
             out = model.compute_loss(inputs, labels, mtp_weight=0.3, aux_alpha=1e-4)
         opt.backward(out.loss)
+        return out.loss.detach()
+    graphed = None
+    if cuda_graph:
+        from parallel.cuda_graph import WARMUP, CudaGraphs, GraphedStep
+        graphed = GraphedStep(forward_backward, model, opt, CudaGraphs(dev))
+        warmup = max(warmup, WARMUP + 1)   # the timed steps replay
+
+    def step() -> float:
+        loss = graphed((inputs, labels)) if graphed else forward_backward(inputs, labels)
         opt.step(1.0)
         opt.zero_grad()
         with torch.no_grad():
             for moe in model.moe_layers():
                 moe.update_bias(moe.tokens_per_expert.clone(), 1e-3)
                 moe.tokens_per_expert.zero_()
-        return out.loss.detach()
+        return loss
 
     times, host, loss = _timed_steps(step, dev, warmup, iters)
     step_s = statistics.median(times)
@@ -251,7 +263,10 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     fpt = flops_per_token(cfg, seq).per_token
     tps = tokens / step_s
     peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
-    del model, opt, ids, inputs, labels
+    failed = graphed.failed if graphed else None
+    del model, opt, ids, inputs, labels, graphed
+    if failed:
+        raise RuntimeError(f"the CUDA graph's capture failed ({failed}); the steps ran eagerly")
     return {"precision": precision, "head_loss": head_loss, "compile": compile, "adamw": adamw, "batch": batch,
             "seq": seq, "tokens": tokens, "step_s": step_s, "host_s": statistics.median(host), "step_times_s": times,
             "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12, "mfu": mfu(tps, fpt),

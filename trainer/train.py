@@ -13,6 +13,7 @@ from checkpoint import CheckpointManager
 from configs.schema import Config
 from data import BlendedBatches, batch_size_at, tokenizer_files, use_offline_hub
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
+from parallel.cuda_graph import CudaGraphs, GraphedStep
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
 from parallel.fp8 import reuse_fp8_weights
@@ -105,6 +106,7 @@ class Trainer:
                                    cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None,
                                    weights=self.precision.weights)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
+        self.graphed = self._graphed_step() if t.cuda_graph else None
         master = self.opt.master_weights()   # the FP32 truth of BF16 weights (None: the FP32 weights are)
         self.ema = ParamEMA(self.model if master is None else master, t.ema_decay) if t.ema_decay else None
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
@@ -426,21 +428,18 @@ class Trainer:
         gamma = t.bias_update_speed.at(self.step, self.tokens)
         gbs = batch_size_at(t, self.tokens)   # train.batch_ramp, else train.global_batch_size
         input_ids, labels = map(self._to_device, self.batches.next_batch(gbs))   # this dp rank's share
-        micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
-        n_micro = len(micro)
-        with self.phase("forward/backward"), reuse_fp8_weights(self.model):   # FP8: weights quantised once
+        n_micro = len(input_ids.split(t.micro_batch_size))
+        with self.phase("forward/backward"):
             if self.pipe is not None:
+                micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
                 self.pipe.set_microbatches(n_micro)
-                with self.autocast:
+                with self.autocast, reuse_fp8_weights(self.model):   # FP8: weights quantised once
                     sums = self.pipe.forward_backward(micro, 1.0 / n_micro, mtp_w, t.aux_loss_alpha)[:3].float()
                 self.pipe.replicas.sum_(self.opt.named_grads())   # twin stages, tied embedding (FP32)
+            elif self.graphed is not None:   # train.cuda_graph: replayed (parallel/cuda_graph.py)
+                sums = self.graphed((input_ids, labels), (mtp_w,))
             else:
-                sums = torch.zeros(3, device=self.device)   # on the device: no host sync per micro-batch
-                for ids, lab in micro:
-                    with self.autocast:
-                        out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
-                    self.opt.backward(out.loss / n_micro)
-                    sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float()
+                sums = self.forward_backward(input_ids, labels, mtp_w)
         with self.phase("gradient reduction"):
             bad_ranks = self.check_step(sums)
         if bad_ranks:
@@ -475,6 +474,29 @@ class Trainer:
                     "grad_norm": grad_norm, "tokens": self.tokens, "global_batch_size": gbs, "step_time_s": dt,
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
                     "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._after_step_metrics()}
+
+    def _graphed_step(self) -> GraphedStep:
+        """``train.cuda_graph``: ``forward_backward`` replayed from a CUDA graph, under an autocast without its
+        cache of cast weights (a cache filled during a capture would be read at replays)."""
+        autocast = torch.autocast(self.device.type, dtype=self.precision.autocast or torch.bfloat16,
+                                  enabled=self.precision.autocast is not None, cache_enabled=False)
+        return GraphedStep(lambda ids, labels, mtp_w: self.forward_backward(ids, labels, mtp_w, autocast),
+                           self.model, self.opt, CudaGraphs(self.device))
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, mtp_w: float,
+                         autocast: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
+        """The step's micro-batches, forward and backward, without a pipeline; the summed (lm, mtp, aux) losses
+        on the device (no host sync per micro-batch)."""
+        t = self.cfg.train
+        micro = list(zip(input_ids.split(t.micro_batch_size), labels.split(t.micro_batch_size)))
+        sums = torch.zeros(3, device=input_ids.device)
+        with reuse_fp8_weights(self.model):   # FP8: weights quantised once
+            for ids, lab in micro:
+                with autocast or self.autocast:
+                    out = self.model.compute_loss(ids, lab, mtp_weight=mtp_w, aux_alpha=t.aux_loss_alpha)
+                self.opt.backward(out.loss / len(micro))
+                sums += torch.stack([out.lm_loss, out.mtp_loss, out.aux_loss]).float()
+        return sums
 
     def _after_step_metrics(self) -> dict:
         """A finished step's counters after its host sync: EP traffic, phase times (and this rank's compute

@@ -197,6 +197,20 @@ class Replicated:
             for _, p in self.params:
                 p.grad = None
 
+    def held_grads(self) -> tuple[dict, dict]:
+        """This step's gradients as ``step`` will read them: each parameter's ``.grad``, and with BF16 weights
+        ``fp32_grads``' entries. A CUDA graph's backward rewrites these tensors at every replay, and ``step`` /
+        ``zero_grad`` drop the references, so ``parallel.cuda_graph`` hands them back (``hold_grads``)."""
+        return ({p: p.grad for _, p in self.params if p.grad is not None},
+                dict(self.fp32_grads.grads) if self.fp32_grads is not None else {})
+
+    def hold_grads(self, held: tuple[dict, dict]) -> None:
+        grads, fp32 = held
+        for p, g in grads.items():
+            p.grad = g
+        if self.fp32_grads is not None:
+            self.fp32_grads.grads.update(fp32)
+
     def state_dict(self) -> dict:
         state = {n: {k: self.optimizer.state[t][k] for k in ("step", "exp_avg", "exp_avg_sq")} for n, t in self.named}
         _, optim_sd = to_global({}, {"state": state}, self.model, self.dims)
