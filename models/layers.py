@@ -67,13 +67,14 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies for the decoupled rope dims, with YaRN when ``rope_factor > 1``.
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the decoupled rope dims, with YaRN when ``rope_factor > 1``, computed on
+    ``device`` (no copy from the host inside a step: a CUDA graph cannot capture one).
 
     Returns ``(inv_freq [R/2], cos_sin_scale)``.
     """
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if cfg.rope_factor <= 1.0:
         return inv_freq, 1.0
 
@@ -84,7 +85,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp               # 1 keeps the original frequency, 0 interpolates by the factor
     inv_freq = inv_freq / cfg.rope_factor * (1 - extrapolation) + inv_freq * extrapolation
     if cfg.mscale and cfg.mscale_all_dim:
@@ -96,9 +97,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 def rope_cos_sin(cfg: ModelConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables ``[T, R/2]`` (fp32) for positions 0..seq_len-1."""
-    inv_freq, scale = rope_inv_freq(cfg)
+    inv_freq, scale = rope_inv_freq(cfg, device)
     t = torch.arange(seq_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq.to(device))
+    freqs = torch.outer(t, inv_freq)
     return freqs.cos() * scale, freqs.sin() * scale
 
 

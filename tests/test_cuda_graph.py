@@ -6,7 +6,10 @@ warm-up steps, the key that captures again, the gradients handed back to the opt
 eager fallback after a failed capture. Its replay runs the captured function again and writes the results into the
 tensors the capture left (where a CUDA graph writes), then drops the optimizer's references to them, as the
 optimizer's step does. On CUDA (the GPU suite's kernel part) the real graphs train the tiny model as eager does."""
+import contextlib
 import logging
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +119,49 @@ def test_a_failed_capture_runs_eagerly_with_one_warning(tmp_path, cache, caplog)
                       "permitted when stream is capturing); every step runs eagerly"]
     assert graphs.captures == 1 and graphs.replays == 0
     _same_weights(graphed, eager)
+
+
+@contextlib.contextmanager
+def host_to_device_copies():
+    """Yields a list that collects each copy from a host tensor into a device one (``to``, ``cuda``, ``copy_``):
+    torch waits for a copy from pageable memory, and a graph's replay would read the host buffer again."""
+    found, saved = [], {n: getattr(torch.Tensor, n) for n in ("to", "cuda", "copy_")}
+
+    def watch(name):
+        def wrapper(self, *args, **kwargs):
+            out = saved[name](self, *args, **kwargs)
+            src = args[0] if name == "copy_" else self
+            dst = self if name == "copy_" else out
+            if isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst.device.type != "cpu":
+                caller = traceback.extract_stack(limit=2)[0]
+                found.append(f"{name} of {tuple(src.shape)} at {Path(caller.filename).name}:{caller.lineno}")
+            return out
+        return wrapper
+    for name in saved:
+        setattr(torch.Tensor, name, watch(name))
+    try:
+        yield found
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_forward_and_backward_have_nothing_a_graph_cannot_capture(monkeypatch):
+    """The tiny model's forward and backward with BF16 weights, through the optimizer's gradient hooks, on the
+    meta device standing in for CUDA (the model's code is the same on every device): no copy from the host. A
+    read of a device value on the host fails on meta tensors (``tools.host_syncs`` lists the step's others)."""
+    is_autocast_enabled = torch.is_autocast_enabled   # meta has no autocast: off, as it is here on CPU
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: False if a == ("meta",) else is_autocast_enabled(*a))
+    cfg = make_config()
+    model = models.build(cfg.model, device="meta").train()
+    opt = build_optimizer(model, cfg.optim, ParallelDims(world_size=1), weights="bf16")
+    ids = torch.zeros(2, 33, dtype=torch.long, device="meta")
+    with host_to_device_copies() as copies:
+        out = model.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=0.3, aux_alpha=1e-4)
+        opt.backward(out.loss)
+        seeded = torch.arange(3).to("meta")   # what it catches
+    assert copies[-1].startswith("to of (3,) at test_cuda_graph.py:") and seeded.is_meta
+    assert copies[:-1] == []
 
 
 def test_config_refuses_more_than_one_process_or_no_cuda():
