@@ -249,10 +249,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
         loss = graphed((inputs, labels)) if graphed else forward_backward(inputs, labels)
         opt.step(1.0)
         opt.zero_grad()
-        with torch.no_grad():
-            for moe in model.moe_layers():
-                moe.update_bias(moe.tokens_per_expert.clone(), 1e-3)
-                moe.tokens_per_expert.zero_()
+        model.update_expert_bias(1e-3)
         return loss
 
     times, host, loss = _timed_steps(step, dev, warmup, iters)

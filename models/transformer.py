@@ -121,6 +121,14 @@ class DeepSeekV3(nn.Module):
         """Every MoE layer in forward order: main blocks, then MTP blocks."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    @torch.no_grad()
+    def update_expert_bias(self, gamma: float) -> None:
+        """One device's aux-loss-free bias update: each MoE layer from its own load since the last update, whose
+        counter then restarts (the trainer sums the loads over the data-parallel ranks first)."""
+        for moe in self.moe_layers():
+            moe.update_bias(moe.tokens_per_expert.clone(), gamma)
+            moe.tokens_per_expert.zero_()
+
     # ---- initialisation --------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -471,10 +471,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
             opt.step(cfg.optim.grad_clip)
             rec.phase = "other"
             opt.zero_grad()
-            with torch.no_grad():
-                for moe in model.moe_layers():
-                    moe.update_bias(moe.tokens_per_expert.clone(), 1e-3)
-                    moe.tokens_per_expert.zero_()
+            model.update_expert_bias(1e-3)
     return rec, model.cfg
 
 
