@@ -86,32 +86,23 @@ def test_sources_were_found():
             f"{SCHEDULES}.dualpipe"} <= set(SOURCES)
 
 
-@pytest.mark.parametrize("pkg", ["models", "kernels", "errors"])
-def test_bottom_packages_import_nothing_else_of_the_project(pkg):
-    assert _violations(lambda name, m: not _inside(name, pkg) or _inside(m, pkg)) == []
+RULES = {   # rule id -> allowed(importing module, imported module)
+    **{f"{pkg}-imports-nothing-else": lambda n, m, pkg=pkg: not _inside(n, pkg) or _inside(m, pkg)
+       for pkg in ("models", "kernels", "errors")},
+    "schedules-import-only-their-vocabulary": lambda n, m: not _inside(n, SCHEDULES) or _inside(m, SCHEDULES),
+    "parallel-never-configs-trainer-tools-bench":
+        lambda n, m: not _inside(n, "parallel") or not _inside(m, "configs", "trainer", "tools", "bench"),
+    **{f"{pkg}-imports-only-errors": lambda n, m, pkg=pkg: not _inside(n, pkg) or _inside(m, pkg, "errors")
+       for pkg in ("data", "checkpoint")},
+    "configs-import-only-what-is-below":
+        lambda n, m: not _inside(n, "configs") or _inside(m, "configs", "errors", "models", "parallel", "data"),
+    "trainer-never-tools-or-bench": lambda n, m: not _inside(n, "trainer") or not _inside(m, "tools", "bench"),
+}
 
 
-def test_schedules_import_only_their_action_vocabulary():
-    assert _violations(lambda name, m: not _inside(name, SCHEDULES) or _inside(m, SCHEDULES)) == []
-
-
-def test_parallel_never_imports_configs_trainer_tools_or_bench():
-    assert _violations(lambda name, m: not _inside(name, "parallel")
-                       or not _inside(m, "configs", "trainer", "tools", "bench")) == []
-
-
-@pytest.mark.parametrize("pkg", ["data", "checkpoint"])
-def test_data_and_checkpoint_import_only_errors(pkg):
-    assert _violations(lambda name, m: not _inside(name, pkg) or _inside(m, pkg, "errors")) == []
-
-
-def test_configs_import_only_what_is_below_them():
-    assert _violations(lambda name, m: not _inside(name, "configs")
-                       or _inside(m, "configs", "errors", "models", "parallel", "data")) == []
-
-
-def test_trainer_never_imports_tools_or_bench():
-    assert _violations(lambda name, m: not _inside(name, "trainer") or not _inside(m, "tools", "bench")) == []
+@pytest.mark.parametrize("rule", RULES)
+def test_import_rule(rule):
+    assert _violations(RULES[rule]) == []
 
 
 def _private_imports(name: str, tree: ast.Module) -> list[str]:
@@ -172,10 +163,8 @@ def test_the_checks_can_fail():
                                 ast.parse("def f():\n    from parallel.dims import ParallelDims\n"))
     SOURCES["parallel._probe"] = (ROOT / "parallel" / "_probe.py", ast.parse("from ..configs import schema\n"))
     try:
-        assert "models._probe imports parallel.dims" in _violations(
-            lambda name, m: not _inside(name, "models") or _inside(m, "models"))
-        assert "parallel._probe imports configs" in _violations(
-            lambda name, m: not _inside(name, "parallel") or not _inside(m, "configs"))
+        assert "models._probe imports parallel.dims" in _violations(RULES["models-imports-nothing-else"])
+        assert "parallel._probe imports configs" in _violations(RULES["parallel-never-configs-trainer-tools-bench"])
         assert _private_imports("tools._probe", ast.parse("from data.corpus import _sha, iter_docs\n"
                                                           "from tools.x import _y\n")) == ["tools._probe imports data.corpus._sha"]
     finally:
