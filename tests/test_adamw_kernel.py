@@ -1,7 +1,5 @@
-"""The Triton AdamW (``kernels/adamw.py``) against its torch reference and ``torch.optim.AdamW``; the optimizers'
-kernel paths (``Replicated``, ``ZeroOptimizer``) against their torch paths; the self-check's fallback; and
-``FP32Grads`` keeping a single micro-batch's gradient in the parameter's dtype. Under the interpreter on CPU
-(tiny tensors), compiled on a GPU."""
+"""The Triton AdamW (``kernels/adamw.py``) vs its torch reference and ``torch.optim.AdamW``, the optimizers' kernel
+paths vs their torch paths, the self-check's fallback, and ``FP32Grads``. Interpreted on CPU, compiled on a GPU."""
 import logging
 from types import SimpleNamespace
 
@@ -136,9 +134,8 @@ def _optim():
 
 @pytest.mark.parametrize("weights,micro,max_norm", [("bf16", 1, 0.5), ("bf16", 2, 1e3), ("fp32", 1, 0.5)])
 def test_replicated_kernel_path_equals_the_torch_path(weights, micro, max_norm):
-    """``Replicated(kernel=True)`` (the Triton path: norm over the gradients as held, clip coefficient on the
-    device, one launch per parameter writing the BF16 weight) vs ``kernel=False`` (clip, torch AdamW, cast):
-    same norms, master, moments and step counts to FP32 rounding; the weights are the master in BF16."""
+    """``Replicated(kernel=True)`` vs ``kernel=False``: same norms, master, moments and step counts to FP32
+    rounding; the weights are the master in BF16."""
     runs = []
     for k in (False, True):
         model, xs = model_and_data()
@@ -177,9 +174,8 @@ def test_zero_kernel_path_equals_its_torch_maths():
 
 
 def test_replicated_bf16_moments_are_kept_and_match_the_native_zero():
-    """``optim.moment_dtype=bf16`` without ZeRO: ``Replicated`` keeps both moments in BF16 (half the optimizer
-    state, ``memory()`` says so) and updates them with the same maths as the native ZeRO optimizer, on the torch
-    reference (``kernel=False``) and on the kernel (``kernel=True``); ``build_optimizer`` passes the setting."""
+    """``optim.moment_dtype=bf16`` without ZeRO: ``Replicated`` keeps BF16 moments (``memory()`` says so), updated
+    as the native ZeRO optimizer does, on both paths; ``build_optimizer`` passes the setting."""
     from parallel.zero import build_optimizer
     runs = []
     for make in (lambda m: ZeroOptimizer(m, _optim(), ONE, stage=1, moment_dtype="bf16", weights="bf16", kernel=False),
@@ -206,9 +202,8 @@ def test_replicated_bf16_moments_are_kept_and_match_the_native_zero():
 
 
 def test_a_wrong_kernel_gives_way_to_the_torch_path(monkeypatch, caplog):
-    """The default path (``kernel=None``) checks the kernel on its device first; made wrong here, the check
-    fails with one warning and ``Replicated`` steps with torch's AdamW (foreach), as with ``kernel=False``. (Off CUDA the
-    default is the torch path; the check is made to run here on this device.)"""
+    """``kernel=None`` self-checks the kernel first (forced to here, off CUDA); a wrong one warns once and
+    ``Replicated`` steps as with ``kernel=False``."""
     import parallel.zero as zero
     real = adamw.triton_adamw_
 

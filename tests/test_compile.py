@@ -1,7 +1,6 @@
-"""Regional ``torch.compile`` (``train.compile``, ``parallel/compile.py``): which devices compile, which modules
-(and MoE combines) become regions, and the same losses and gradients as eager (FP32, to rounding), alone and under selective
-recomputation. The CPU runs dynamo with the ``aot_eager`` backend (the traced forward and backward graphs,
-run by aten: seconds, not inductor's minutes of C++ compiles); the GPU suite runs inductor on CUDA."""
+"""Regional ``torch.compile`` (``parallel/compile.py``): which devices and modules compile, and eager's losses and
+gradients (FP32, to rounding), also under selective recomputation. CPU: ``aot_eager`` (seconds, not inductor's
+minutes of C++ builds); the GPU suite runs inductor."""
 import copy
 
 import pytest

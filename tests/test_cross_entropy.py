@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 

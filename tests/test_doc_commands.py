@@ -1,8 +1,6 @@
-"""Every command line the docs show (README.md, docs/*.md, tools/slurm/README.md) passes the config validator:
-``python -m trainer`` (also under ``torchrun`` and as a Hydra multirun), ``sbatch ... tools/slurm/train.sbatch``
-and ``python -m tools.size``. Composed and validated as the entry points do it, with the world size the
-launcher would give; nothing is built or trained. Lines with placeholders (``...``, ``<dir>``, ``$VAR``, ``N``)
-are templates and are left out."""
+"""Every trainer, sbatch and tools.size command line in the docs passes the config validator, composed with the
+world size its launcher gives (nothing built); lines with placeholders (``...``, ``<dir>``, ``$VAR``, ``N``) are
+left out."""
 from __future__ import annotations
 
 import itertools

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from models import ModelConfig, build
-from models.moe import MoE
 from parallel.data_parallel import sync_gradients
 from parallel.collective_trace import CollectiveTrace
 from parallel.dims import ParallelDims

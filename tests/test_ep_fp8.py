@@ -1,9 +1,6 @@
-"""FP8 dispatch (``apply_ep(..., fp8_dispatch=True)``) against a single-device reference, on gloo/CPU processes.
-
-The reference is the plain single-device MoE layer whose routed experts' inputs are quantise-dequantised with
-the same scheme (E4M3, 1x128 tiles, power-of-2 scales) and a straight-through backward, so the EP layer must
-match it as tightly as the plain EP path matches the plain model: only the quantisation differs.
-"""
+"""FP8 dispatch (``apply_ep(..., fp8_dispatch=True)``) on gloo/CPU processes against the single-device MoE layer
+whose experts' inputs are quantise-dequantised alike (E4M3, 1x128 tiles, pow2 scales, straight-through backward):
+as tight as the plain EP path, since only the quantisation differs."""
 import copy
 
 import pytest

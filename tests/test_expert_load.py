@@ -1,7 +1,5 @@
-"""``<run dir>/expert_load.jsonl`` (trainer/metrics.py, trainer/expert_load.py): one line per window of
-``heatmap_every`` steps and at the last step, load / layer mean of the window's summed tokens per expert, with W&B
-disabled; cut back on a resume and on a rollback like metrics.jsonl; a run stopped between two windows writes the
-open one at close."""
+"""``expert_load.jsonl``: one line per ``heatmap_every`` window and at the last step (W&B disabled), cut back on
+resume and rollback like metrics.jsonl; a run stopped mid-window writes the open one at close."""
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -1,13 +1,9 @@
-"""A full disk anywhere the trainer writes is one line naming the file, what it held and what to do, exit 2, no
-traceback, no checkpoint lost: the run dir's files (metrics.jsonl, eval.jsonl, train.log, config.yaml: real ENOSPC
-from a link to /dev/full), its lock, the W&B run, and data.cache_dir (the tokenizer, the token arrays, datasets'
-Arrow cache; a real full tmpfs where the machine lets the test mount one). Checkpoint saves:
-test_faults_checkpoint.py."""
+"""A full disk anywhere the trainer writes (run dir files via a link to /dev/full, lock, W&B run, data.cache_dir,
+a real full tmpfs where allowed) is one line naming the file and what to do, exit 2, no checkpoint lost."""
 import errno
 import os
 import subprocess
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,9 +46,8 @@ def cache(tmp_path_factory):
                                        ("train.log", "the run log"),
                                        ("config.yaml", "the resolved config")])
 def test_full_run_dir_is_one_line_and_the_checkpoints_stay(tmp_path, cache, name, what):
-    """Run 1 saves step 2. Run 2 resumes (saving every step) with ``name`` on a full disk (a link to /dev/full: its
-    writes fail with ENOSPC): one line naming the file, exit 2; every checkpoint there is intact and `latest` names
-    the newest. metrics.jsonl: run 3, with the link gone, resumes from step 2 and finishes."""
+    """Run 2 resumes run 1 with ``name`` on /dev/full: one line, exit 2, checkpoints intact and `latest` the newest;
+    run 3 (link gone) resumes from step 2 and finishes."""
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     args = ["+exp=tiny", *SMALL, f"data.cache_dir={cache}", f"hydra.run.dir={run}"]
     run_inprocess(run, *args[1:-1], "train.max_steps=2")

@@ -1,8 +1,7 @@
-"""Choosing FP8 engines (``kernels/selfcheck.py``, ``kernels/auto.py``, ``kernels/torch_gemm.py``): a launch
-variant or engine runs only after its self-check passed on the device; a wrong one is skipped with one warning
-line; ``auto`` keeps the fastest verified engine per shape. The Triton interpreter and the reference stand in
-for the GPU engines on the CPU (on a GPU the same tests run compiled); torch's blockwise GEMM is held to
-cuBLASLt's documented scale layouts by a stand-in."""
+"""Choosing FP8 engines (``kernels/selfcheck.py``, ``auto.py``, ``torch_gemm.py``): a variant or engine runs only
+after its self-check passed on the device, a wrong one is skipped with one warning line, ``auto`` keeps the fastest
+verified engine per shape. On CPU the interpreter and the reference stand in; a stand-in holds torch's blockwise
+GEMM to cuBLASLt's documented scale layouts."""
 import logging
 
 import pytest
@@ -170,9 +169,8 @@ def _broken_fused(real):
 
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_a_wrong_fused_quantiser_gives_way_to_the_separate_ones(backend, monkeypatch, caplog):
-    """The fused 1×128 + 128×1 quantiser runs only after its bit-exact self-check passed on the device; a wrong
-    one logs one warning line, and the namespace's two separate quantisers make the copies (unchanged bytes).
-    A right one is used as is."""
+    """The fused quantiser runs only after its bit-exact self-check: a wrong one warns once and the two separate
+    quantisers make the copies; a right one is used as is."""
     x, tpe = torch.randn(300, 256, device=DEV), torch.tensor([100, 0, 200], device=DEV)
     want = ref.quant_act_both(x, tpe)
 

@@ -1,13 +1,6 @@
-"""FP8 Triton kernels vs their plain-torch references (``kernels/reference.py``).
-
-Without CUDA the kernels run under the Triton interpreter (``kernels.configure()`` sets TRITON_INTERPRET
-before any kernel is defined), so shapes are chosen to need only a few large programs. With CUDA the same
-tests run compiled, with the production launch configs (``GPU_CONFIG``: TMA; ``POINTER_CONFIG``; the default is
-the first that passes its self-check on the device), at larger shapes too (DeepSeek-V3 sizes, ragged and empty experts).
-Quantisers must be bit-exact; GEMMs must match dequantise-then-matmul within 1e-3 relative. Every GEMM
-runs on both load paths: TMA (K-contiguous, 16-byte-aligned operands; chosen automatically) and pointers
-(``config={"TMA": False}``, and automatically for strided views or K not a multiple of 16).
-"""
+"""FP8 Triton kernels vs ``kernels/reference.py``: quantisers bit-exact, GEMMs within 1e-3 relative of
+dequantise-then-matmul, on both load paths (TMA, and pointers: ``{"TMA": False}``, strided views, K % 16 != 0).
+Without CUDA under the interpreter (shapes of few large programs); with CUDA compiled, larger shapes too."""
 import pytest
 import torch
 
@@ -165,9 +158,7 @@ def test_tile_tables_are_memoised_per_counts_tensor_and_version():
 
 @pytest.mark.skipif(ON_GPU, reason="counts the wrappers' torch ops around the interpreted kernels")
 def test_quantiser_and_grouped_wrappers_launch_no_torch_kernels(monkeypatch):
-    """Host cost per call: the dense 128×1 quantiser derives its tiles from the program id, and a grouped call
-    reuses its counts' tile table, so neither launches a torch kernel besides its own (before: ~25 small ones per
-    call, about 2,400 of the 6,800 launches of the 4-layer FP8 step on an H100)."""
+    """Host cost: the dense 128×1 quantiser and a grouped call (reusing its tile table) launch no torch kernel."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
 

@@ -1,7 +1,5 @@
-"""The Triton GEMMs' tuning table (``kernels/tuning.py``, ``kernels/tuning/*.json``): a tuned launch config is
-the first variant ``gemm.default_variant`` self-checks on its device, and a wrong one gives way to the built-in
-variants with one warning line. The interpreter stands in for the GPU (``tuning.tuned`` is patched: it reads
-tables for CUDA devices only)."""
+"""The GEMMs' tuning table (``kernels/tuning.py``): a tuned config is the first variant self-checked, a wrong one
+gives way to the built-in variants with one warning line (``tuning.tuned`` patched: it reads CUDA tables only)."""
 import json
 import logging
 

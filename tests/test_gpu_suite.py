@@ -1,8 +1,5 @@
-"""The CPU-testable parts of ``python -m bench.gpu_suite``: the refusal without CUDA, argument parsing, the
-report (sections, verdicts, a failed part recorded, the JSON round trip), the driver (a failing part does
-not stop the suite; deadline; --append), the kernel-test plumbing (JUnit counts from a real pytest run),
-the trainer-loss comparison and its part, the MFU arithmetic and one training step on CPU, and the trainer
-running with ``datasets`` and ``wandb`` unimportable (as on the GPU machine)."""
+"""The CPU-testable parts of ``python -m bench.gpu_suite``: refusal, arguments, the report, the driver, the kernel
+tests' JUnit counts, the trainer-loss check, the MFU arithmetic, and the trainer without ``datasets``/``wandb``."""
 from __future__ import annotations
 
 import json

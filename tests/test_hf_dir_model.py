@@ -1,8 +1,5 @@
-"""A Hugging Face directory as the model (configs/init_from.py, trainer.startup.check_init_tokenizer):
-``checkpoint.init_from=<HF dir>`` alone takes the model from its config.json and the tokenizer from its files, and
-trains from step 0 with the HF model's own loss; a data tokenizer that gives other ids is refused in one line; the
-step dir keeps the whole tokenizer and ``tools.convert_hf export`` writes it back (bos, eos, pad, special tokens,
-chat template)."""
+"""``checkpoint.init_from=<HF dir>`` alone: model, tokenizer and step-0 loss from the directory; a data tokenizer
+with other ids is a one-line error; the step dir keeps the whole tokenizer and ``convert_hf export`` writes it back."""
 import dataclasses
 import json
 
@@ -141,10 +138,8 @@ def test_model_keys_on_top_a_preset_kept_and_a_dir_without_tokenizer(hf_dir, tmp
 
 
 def test_resume_after_the_init_from_directory_is_gone(hf_dir, tmp_path):
-    """A run started from an HF directory that has since been deleted resumes from its own checkpoint: the model
-    and the tokenizer come from there (configs.init_from.from_own_checkpoint), the tokenizer path's change is
-    listed, not refused (the checkpoint's copy has the same files), and the steps go on where they stopped. A new
-    run (no checkpoint) still names the missing directory."""
+    """With the HF directory deleted, a run resumes from its own checkpoint (the tokenizer path's change listed,
+    not refused); a new run still names the missing directory."""
     import shutil
     src = tmp_path / "hf"
     shutil.copytree(hf_dir, src)

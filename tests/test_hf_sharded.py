@@ -1,8 +1,5 @@
-"""Streaming, sharded HF import (``load_hf_into``), per-rank export (``save_hf_shard`` + ``write_hf_index``),
-complete export (tokenizer, token ids, generation config) and the CLI around them (models/hf.py,
-tools/convert_hf.py). Checkpoints: transformers' own ``save_pretrained`` split over 3 files, and the same
-weights in DeepSeek's FP8 release layout (float8_e4m3fn linears + float32 ``weight_scale_inv`` per 128x128
-block) over 3 files with an index."""
+"""Streaming sharded HF import, per-rank and complete export and their CLI (models/hf.py, tools/convert_hf.py), on
+``save_pretrained`` output and DeepSeek's FP8 release layout (128x128-block ``weight_scale_inv``), 3 files each."""
 import copy
 import dataclasses
 import json

@@ -1,6 +1,5 @@
-"""The chunked linear + cross-entropy (models/loss.py) against the plain head + ``F.cross_entropy`` path: loss
-and gradients equal to FP32 rounding (BF16 autocast: to BF16 rounding), ignored labels, several chunks, no
-grad; and with ``train.head_loss=chunked`` the model's training step keeps no ``N x V`` tensor for the backward."""
+"""The chunked linear + cross-entropy (models/loss.py) vs the plain head: loss and gradients to FP32 (BF16) rounding;
+with ``train.head_loss=chunked`` the training step keeps no ``N x V`` tensor for the backward."""
 import pytest
 import torch
 import torch.nn.functional as F

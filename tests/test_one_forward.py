@@ -1,13 +1,6 @@
-"""One forward: the model's forward is written once, in ``models/``, as steps cut at the
-dispatcher's boundaries; ``parallel/`` only drives it.
-
-- No module under ``parallel/`` contains model logic: it calls none of the model's submodules by name
-  (``blk.attn(``, ``moe.gate(``, ``st.head(``, ``.eh_proj(`` ...) and none of the model's compute functions
-  (``sequence_balance_loss``, ``_ce``, ``rope_cos_sin`` ...), nor imports them. Read from the source (AST).
-- Recording the model on the pipeline's ``Tape`` (cut at every dispatcher boundary, or as one piece; full
-  backward, and the B / W split) gives the losses and gradients of driving it straight through
-  (``compute_loss``), on one device.
-"""
+"""One forward, written once in ``models/`` as steps cut at the dispatcher's boundaries: ``parallel/`` calls
+no model submodule or compute function (read from the source), and recording the steps on the pipeline's
+``Tape`` (cut or whole; full backward or B / W) gives the losses and gradients of ``compute_loss``."""
 from __future__ import annotations
 
 import ast
@@ -175,10 +168,8 @@ def test_piecewise_matches_straight_through(mode, cuts):
 
 
 def test_a_piece_that_only_passes_tensors_on_makes_no_new_leaves_for_them():
-    """The expert piece carries the block's tensors (gate weights, layer input, balance loss, residual) on
-    unused: the combine cut keeps them as the leaves the dispatch cut made (no root, no new leaf, so no
-    gradient copy per cut), and only the received rows become new leaves. Gradients: see
-    ``test_piecewise_matches_straight_through``, which fails if B leaves out the passed-on leaves."""
+    """Tensors the expert piece only carries on (gate weights, layer input, balance loss, residual) keep the
+    dispatch cut's leaves at the combine cut (no gradient copy per cut); only the received rows are new leaves."""
     model = build(ModelConfig(**CFG), seed=0).train()
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
     tail = Tail(model.norm, model.head, model.mtp, model.embed)

@@ -1,8 +1,6 @@
-"""DualPipe's overlapped F&B (``parallel.overlap``, ``parallel/pipeline/overlap.py``): the piecewise,
-interleaved execution gives the same losses and gradients as the plain one (fp32), with EP=1 (local
-dispatcher, and an all-to-all dispatcher over a one-rank group with injected latency, ``bench.latency``),
-with EP=2 inside pp=2 (hierarchical and flat dispatchers) and with FP8 dispatch; the interleaving order and
-the injected-latency deadline behave as documented."""
+"""DualPipe's overlapped F&B (``parallel/pipeline/overlap.py``) gives the plain execution's losses and gradients
+(fp32) with EP=1 (local, and all-to-all with injected latency), EP=2 inside pp=2 and FP8 dispatch; plus the
+interleaving order and the injected-latency deadline."""
 import time
 
 import pytest

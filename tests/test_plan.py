@@ -13,7 +13,7 @@ from models.params import flops_per_token
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.simulator import Costs, simulate
 from tools.plan import V3_PUBLISHED, predict, published_schedule_bubble, v3_check
-from tools.plan_costs import Hardware, StageCost, StageCosts, ep_traffic, expected_distinct, load_hardware, stage_work
+from tools.plan_costs import StageCost, StageCosts, ep_traffic, expected_distinct, load_hardware, stage_work
 from trainer.memory_plan import model_parts, split_layers
 
 
@@ -37,9 +37,8 @@ def test_expected_distinct_by_hand():
 
 
 def test_nodes_per_token_vs_router():
-    """The balanced-routing estimate vs the model's own node-limited gate on random tokens: the gate picks
-    nodes by their best experts, so it spreads a token over more of its M nodes than uniform draws do; the
-    estimate is a lower bound within 20 % here (docs/planner.md)."""
+    """The balanced-routing estimate is a lower bound, within 20 %, of the node-limited gate's nodes per token
+    (the gate picks nodes by their best experts, spreading a token wider than uniform draws)."""
     torch.manual_seed(0)
     m = ModelConfig(dim=64, n_routed_experts=32, n_activated_experts=4, n_expert_groups=8, n_limited_groups=4)
     gate = models.moe.Gate(m)
@@ -78,10 +77,8 @@ def test_fb_overlap_rule():
 
 
 def test_replicated_params_per_pipeline_rank():
-    """What the trainer's ``ReplicaSync`` sums every step: DualPipe holds every stage twice, 1F1B with MTP a
-    tied embedding on the last stage; routed experts counted per EP shard."""
+    """What ``ReplicaSync`` sums: DualPipe every stage twice, 1F1B with MTP the tied embedding; experts per EP shard."""
     from tools.plan import replicated_params
-    from trainer.memory_plan import model_parts
     for sched, ep in (("dualpipe", 1), ("dualpipe", 2), ("1f1b", 1)):
         cfg = compose(["+exp=tiny", "parallel.pp=2", f"parallel.schedule={sched}", f"parallel.ep={ep}"])
         model = models.build(cfg.model, "meta")
@@ -97,13 +94,11 @@ def test_replicated_params_per_pipeline_rank():
 
 
 def test_gpu_step_end_sums_the_twin_gradients_in_bf16_over_the_inter_node_link():
-    """DualPipe holds every stage on two pipeline ranks (other nodes): their gradients are summed every step, on
-    a GPU profile as in the trainer; DeepSeek's layout (rank 0: the embedding, the head and MTP twice) pays it."""
+    """DualPipe's twin stages (on other nodes) sum their gradients every step; V3's rank 0 pays the most."""
     from tools.plan import V3_LAYOUT, V3_WORLD, replicated_params
-    from tools.plan_costs import load_hardware, step_end
-    from trainer.memory_plan import plan_memory
+    from tools.plan_costs import step_end
     from trainer.activations import V3_RECIPE
-    from trainer.memory_plan import check_layout
+    from trainer.memory_plan import check_layout, plan_memory
     cfg, hw = compose(V3_LAYOUT), load_hardware("h800")
     model = models.build(cfg.model, "meta")
     dims = check_layout(cfg, V3_WORLD)
@@ -116,8 +111,7 @@ def test_gpu_step_end_sums_the_twin_gradients_in_bf16_over_the_inter_node_link()
 
 
 def test_varying_action_times_cost_a_tightly_coupled_pipeline_time():
-    """``Hardware.action_cv``: actions whose times vary make a rank wait for a late peer; DualPipe pp=2 (both ranks
-    busy all the time) gets slower, reproducibly (seeded); without variation the prediction is the even one."""
+    """``Hardware.action_cv``: varying action times slow DualPipe pp=2 (ranks wait for late peers), seeded."""
     cfg = compose(["model=v3_16b", "parallel.pp=2", "parallel.schedule=dualpipe", "data.seq_len=4096",
                    "train.micro_batch_size=1", "train.global_batch_size=16"])
     hw = load_hardware("h100")
@@ -130,8 +124,7 @@ def test_varying_action_times_cost_a_tightly_coupled_pipeline_time():
 
 
 def test_all_to_all_latency_is_waiting_that_f_and_b_may_hide():
-    """A profile's per-call all-to-all latency (``a2a_latency_us``) adds to the all-to-all time of every MoE layer
-    of a stage, which the F&B overlap may hide, not to its compute."""
+    """``a2a_latency_us`` adds to each MoE layer's all-to-all time (which F&B may hide), not to its compute."""
     from tools.plan_costs import action_costs
     cfg = compose(["+exp=tiny", "parallel.ep=2"])
     hw = load_hardware("h100")
@@ -144,15 +137,12 @@ def test_all_to_all_latency_is_waiting_that_f_and_b_may_hide():
 
 
 def test_v3_recipe_memory_fits_deepseeks_layout_and_not_the_earlier_winners():
-    """Acceptance 3's memory side: the itemized estimate of V3's recipe (``trainer.activations.v3_recipe_bytes``)
-    keeps 164 KB per token in a MoE layer; DeepSeek's layout fits 90 % of 80 GB with it, while pp4 DualPipe ZeRO-2
-    and pp8 DualPipe ZeRO-2 (first under the old floor-of-recompute bound) do not: ZeRO-2 under a pipeline keeps
-    full gradients."""
+    """V3's recipe keeps 164 KB per token in a MoE layer; DeepSeek's layout fits 80 GB with it, pp4 and pp8
+    DualPipe ZeRO-2 do not (ZeRO-2 under a pipeline keeps full gradients)."""
     from trainer.activations import v3_recipe_bytes
     from tools.plan import V3_LAYOUT, V3_WORLD
     b = v3_recipe_bytes(compose(["model=v3_671b"]).model)
     assert b["moe_layer"] == pytest.approx(164.3e3, rel=1e-3) and b["dense_layer"] == pytest.approx(103.9e3, rel=1e-3)
-    from tools.plan_costs import load_hardware
     hw = load_hardware("h800")
     model = models.build(compose(V3_LAYOUT).model, "meta")
     assert predict(compose(V3_LAYOUT), hw, V3_WORLD, "fp8", "v3", model=model).fits
@@ -171,9 +161,8 @@ def test_v3_published_step():
 
 
 def test_v3_bubble_vs_the_schedule_of_the_published_rows():
-    """Apples to apples: rank 0's predicted bubble vs the bubble DualPipe's schedule gives the published rows'
-    own per-chunk costs (uniform stages). The published step exceeds that schedule's step by as much as its
-    bubble exceeds that schedule's bubble: the excess is idle time outside the schedule (docs/planner.md)."""
+    """Rank 0's bubble vs DualPipe's schedule on the published rows' own chunk costs; the published step's
+    excess over that schedule equals its bubble's excess: idle time outside the schedule (docs/planner.md)."""
     pred, _ = v3_check("h800")
     implied = published_schedule_bubble("h800")
     assert implied["counts"] == {"F": 23, "B": 15, "W": 15, "BW": 8, "FB": 97}
@@ -193,7 +182,6 @@ def test_v3_published_bubble():
 def test_versus_reference_sums_to_the_step_difference():
     """--search's comparison with the layout given: the causes add up to the step difference."""
     from tools.plan import _diffs, versus
-    from tools.plan_costs import load_hardware
     hw = load_hardware("h800")
     a = predict(compose(["+exp=tiny", "parallel.pp=2", "parallel.schedule=dualpipe"]), hw, 2)
     b = predict(compose(["+exp=tiny", "parallel.pp=2", "parallel.schedule=1f1b"]), hw, 2)
@@ -204,8 +192,7 @@ def test_versus_reference_sums_to_the_step_difference():
 
 
 def _sampled_nodes_hit(m, nodes: int, tokens: int = 20000, seed: int = 0) -> float:
-    """Balanced node-limited routing sampled: M of G groups uniformly, K experts uniformly among theirs; experts
-    laid out in order (group g holds experts [g E/G, (g+1) E/G), node n [n E/nodes, (n+1) E/nodes))."""
+    """Balanced node-limited routing sampled (M of G groups, then K of their experts; experts laid out in order)."""
     g = torch.Generator().manual_seed(seed)
     E, K, G, M = m.n_routed_experts, m.n_activated_experts, m.n_expert_groups, m.n_limited_groups
     per_group = E // G
@@ -218,8 +205,7 @@ def _sampled_nodes_hit(m, nodes: int, tokens: int = 20000, seed: int = 0) -> flo
 
 @pytest.mark.parametrize("G,M,nodes", [(4, 2, 4), (8, 4, 4), (8, 3, 2), (2, 1, 4), (4, 2, 8), (8, 4, 8)])
 def test_nodes_hit_matches_sampled_routing_for_any_group_to_node_mapping(G, M, nodes):
-    """One group per node, several per node, a group over several nodes: the planner's expected nodes per token
-    (``plan_costs.nodes_hit``) vs sampled balanced routing, and never above the trainer's bound (routing_reach)."""
+    """``plan_costs.nodes_hit`` vs sampled routing for any group/node ratio, never above ``routing_reach``."""
     from parallel.dims import routing_reach
     from tools.plan_costs import nodes_hit
     m = ModelConfig(dim=64, n_routed_experts=64, n_activated_experts=6, n_expert_groups=G, n_limited_groups=M)

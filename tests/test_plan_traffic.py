@@ -1,7 +1,5 @@
-"""The planner's expert-parallel traffic (``tools.plan_costs.ep_traffic``) against the bytes the trainer's
-dispatcher puts on the wire between nodes, read from the collective trace of a CPU run (4 gloo ranks, one
-per node, FP8 dispatch, forward and backward), under the routing the planner assumes: M nodes per token
-chosen uniformly, then K distinct experts uniformly among theirs."""
+"""``tools.plan_costs.ep_traffic`` vs the inter-node bytes in the collective trace of a 4-rank FP8-dispatch CPU
+run (one rank per node), under the planner's routing: M nodes uniformly, then K distinct experts among theirs."""
 import json
 
 import torch

@@ -1,8 +1,5 @@
-"""``python -m tools.report``: a tiny run stopped early at step 6 and resumed to step 10 is reported from its own files
-(every plot a real image; the summary names the final loss, the step count, the resume and the validation; the expert
-plot a heatmap of expert_load.jsonl, which the run wrote with W&B disabled); a torn last line, a run without
-validation or without expert_load.jsonl, a pipeline run's bubble, rollbacks, skips and a missing end line; not a run
-dir, or an --out that cannot be written: one line, exit 2. W&B is never touched."""
+"""``python -m tools.report`` on a tiny run stopped at step 6 and resumed to 10 (plots, summary, expert heatmap),
+on partial or odd runs, and its one-line exit-2 errors; W&B is never touched."""
 import json
 import os
 import shutil

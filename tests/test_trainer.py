@@ -1,11 +1,9 @@
 """Trainer: metrics, resume (bitwise), atomic checkpoints, W&B offline, CLI."""
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,11 +1,6 @@
-"""Deferred weight-gradient GEMMs (``parallel/wgrad.py``): B then W gives exactly the plain backward's
-gradients — per module, per pipeline stage, for the whole model, over two micro-batches, under BF16
-autocast and in FP8 — while B alone leaves the deferred weights' gradients (and their hooks) untouched.
-
-Bit-exact (``torch.equal``) wherever the deferred path runs the same ops on the same operands as autograd:
-the linears, the ``_grouped_mm`` experts, FP8. The per-expert loop reference is compared at 1e-6: it
-applies SiLU per expert, the deferred function on the whole tensor (vectorised exp vs a scalar tail).
-"""
+"""Deferred weight-gradient GEMMs (``parallel/wgrad.py``): B then W gives the plain backward's gradients bit for
+bit (modules, stages, whole model, BF16 autocast, FP8), while B alone leaves the deferred weights untouched. The
+per-expert loop path is held to 1e-6: it applies SiLU per expert, the deferred function to the whole tensor."""
 import copy
 
 import pytest
@@ -80,8 +75,7 @@ def test_linear_b_then_w_is_bit_exact(autocast):
 @pytest.mark.parametrize("D, F_, autocast", [(32, 16, False), (32, 16, True), (30, 14, False)],
                          ids=["grouped_mm-fp32", "grouped_mm-bf16-autocast", "loop-fp32"])
 def test_experts_b_then_w_match_plain(D, F_, autocast):
-    """The grouped path is bit-exact; the loop path (``_grouped_mm_ok`` false: unaligned strides) is the
-    reference and agrees to 1e-6. Experts without tokens get zero gradients."""
+    """Grouped path bit-exact, loop path (unaligned strides) to 1e-6; experts without tokens get zero gradients."""
     counts = torch.tensor([0, 13, 5, 0, 30, 1])
     torch.manual_seed(0)
     base = GroupedExperts(len(counts), D, F_)
@@ -158,9 +152,8 @@ def deferred_names(model) -> set[str]:
 @pytest.mark.parametrize("s", [0, 1, 2], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8-emulation"])
 def test_stage_b_then_w_matches_full_backward(s, fp8):
-    """Two micro-batches, both Bs before both Ws (as zero-bubble schedules do): input gradients and
-    accumulated parameter gradients equal the plain backward's bit for bit. After the Bs only the
-    non-GEMM parameters (norms, gate, embedding) have gradients, equal to the plain ones."""
+    """BBWW over two micro-batches equals the plain backward bit for bit; after the Bs only the non-GEMM
+    parameters (norms, gate, embedding) have gradients."""
     ref = make_model(fp8)
     model = copy.deepcopy(ref)
     queue = WeightGradQueue()
@@ -245,9 +238,8 @@ def test_with_activation_recompute(mode):
 
 # -------------------------------------------------------------------------------------------- hooks, FP8
 def test_post_accumulate_hooks_fire_once_per_parameter_per_w():
-    """ZeRO-2 reduces a gradient bucket when its parameters' post-accumulate hooks have fired: deferred
-    weights must not fire at B and must fire exactly once per W (a weight used twice — the head, by the
-    LM and MTP losses — gets one summed accumulation)."""
+    """ZeRO-2's bucket trigger: deferred weights fire no hook at B and exactly one per W (the head, used by
+    LM and MTP, included)."""
     model = make_model()
     queue = WeightGradQueue()
     apply_deferred_wgrad(model, queue)
@@ -359,9 +351,7 @@ def test_queue_misuse_is_reported():
 
 
 def test_queue_follows_parameters_materialised_after_the_swap():
-    """A model built on meta (HF init) gets new Parameter objects from ``to_empty`` after the runner applied
-    ``apply_deferred_wgrad``: the queue reads its deferred set from the modules, so B still leaves exactly the
-    deferred weights to W."""
+    """``to_empty`` after ``apply_deferred_wgrad`` (a meta-built model) makes new Parameters: the queue follows."""
     model = build(ModelConfig(**CFG), device="meta", seed=0).train()
     queue = WeightGradQueue()
     apply_deferred_wgrad(model, queue)
