@@ -1,5 +1,17 @@
-"""The FP8 GEMM tests' one closeness bound."""
+"""What the kernel tests share: their device, a clean self-check state per test, the FP8 GEMMs' closeness bound."""
+import pytest
 import torch
+
+DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    """No self-check verdict cached before or after the test (autouse where imported)."""
+    from kernels import selfcheck
+    selfcheck.forget()
+    yield
+    selfcheck.forget()
 
 
 def assert_gemm_close(out: torch.Tensor, want: torch.Tensor) -> None:

@@ -19,17 +19,11 @@ from parallel.zero import Replicated  # noqa: E402
 from parallel.zero.master import FP32Grads  # noqa: E402
 from parallel.zero.native import ZeroOptimizer  # noqa: E402
 
-DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from .fp8_utils import DEV, fresh_verdicts  # noqa: E402,F401 - autouse
+
 ONE = ParallelDims(world_size=1)
 N = 1000           # not a multiple of the block (256 here): a ragged last program
 HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8)
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts():
-    selfcheck.forget()
-    yield
-    selfcheck.forget()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -15,14 +15,7 @@ kernels.configure()
 from kernels import cross_entropy as ce  # noqa: E402
 from kernels import selfcheck  # noqa: E402
 
-DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts():
-    selfcheck.forget()
-    yield
-    selfcheck.forget()
+from .fp8_utils import DEV, fresh_verdicts  # noqa: E402,F401 - autouse
 
 
 def problem(N, V, dtype, seed=0, ignore_every=5):

@@ -244,10 +244,8 @@ def _groups_worker(rank, world, out_dir):
 
 
 def test_four_group_model_under_ep2_on_one_and_two_nodes_matches_single_device(tmp_path):
-    """A model's routing groups do not follow the cluster: 4 groups (top-2) under EP=2 on one node (4 groups
-    per node) and on two (2 per node), with both dispatchers, train as on one device: loss and gradient norm of
-    2 steps to rel 1e-5 (measured 7e-8 and 3e-6; the norm of later steps drifts further, as AdamW's sign-like
-    first updates grow rounding-level differences: tests/test_parity_matrix.py)."""
+    """4 routing groups under EP=2 on one node and on two, both dispatchers, train as on one device: loss and
+    gradient norm of 2 steps to rel 1e-5 (later steps drift as AdamW grows rounding-level differences)."""
     import json
 
     from .trainer_utils import make_config

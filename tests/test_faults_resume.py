@@ -94,9 +94,8 @@ def one_thread():
 
 
 def test_resume_one_line_per_step_and_the_same_wandb_run(tmp_path, monkeypatch, one_thread):
-    """Run 1 checkpoints at step 3 and is 'killed' after step 5 (no final save); run 2 resumes in the same run
-    dir from step 3: metrics.jsonl / eval.jsonl hold each step once and the redone steps equal run 1's. Run 3,
-    in a new run dir with the same checkpoint.dir, continues too. All three log to one W&B run id."""
+    """Run 2 resumes killed run 1 from step 3: each step logged once, redone steps equal run 1's; run 3 (new run
+    dir) continues too; all three log to one W&B run id."""
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     ck = tmp_path / "ck"
     common = [*fast_overrides(tmp_path, tmp_path / "cache"), *SMALL, "logging.wandb.mode=offline",

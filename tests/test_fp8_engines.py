@@ -16,9 +16,7 @@ from kernels import auto, gemm, grouped_gemm, quant, selfcheck, torch_gemm, tuni
 from kernels import reference as ref  # noqa: E402
 from kernels.auto import AutoOps, Engine  # noqa: E402
 
-from .fp8_utils import assert_gemm_close  # noqa: E402
-
-DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from .fp8_utils import DEV, assert_gemm_close  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

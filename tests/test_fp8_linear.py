@@ -1,14 +1,9 @@
-"""FP8 linear / grouped experts (``parallel/fp8.py``): gradients vs FP32, backend parity, the Wgrad deferred
-to W (``parallel/wgrad.py``), the converter, and (slow) 200 training steps of the tiny model in FP8
-(emulation) vs FP32.
+"""FP8 linear / grouped experts (``parallel/fp8.py``): gradients vs FP32, backend parity, deferred Wgrad, the
+converter, and (slow) 200 tiny-model steps in FP8 vs FP32.
 
-Error bound used below. E4M3 keeps 3 mantissa bits, so round-to-nearest-even leaves at most 2^-4 relative
-error per element; for values spread over a binade the RMS is about 2^-3/sqrt(12)/1.5 = 0.024 (measured
-0.0255 for Gaussian 1x128 tiles with amax scaling). An FP8 GEMM multiplies two independently quantised
-operands, so its output carries about sqrt(2)·0.025 = 0.036 relative (Frobenius) error — the same for
-Fprop (y), Dgrad (dx) and Wgrad (dW). We assert 0.01 < error < 0.06: the upper bound is ~1.7x the
-expected value, the lower one proves the path really is FP8. BF16 (8 bits) must stay below 0.01.
-"""
+Error bound: E4M3's RMS rounding error is ~0.025 per element, so an FP8 GEMM of two quantised operands carries
+~sqrt(2)·0.025 = 0.036 relative error (y, dx and dW alike). We assert 0.01 < error < 0.06 (~1.7x the expected
+value; the lower bound proves the path is FP8); BF16 must stay below 0.01."""
 import copy
 import importlib.util
 import math
@@ -283,10 +278,8 @@ def train_curve(fp8: bool, steps: int, corpus, seq_len=32, batch=4, seed=0) -> t
 
 @pytest.mark.slow
 def test_fp8_emulation_tracks_fp32_over_200_steps(tmp_path):
-    """FP8 vs FP32, means over three seeds (one seed's gap is dominated by the run-to-run spread: FP32 alone
-    ranges 4.90-5.10 in validation loss over seeds 0-2). Measured (4 x 32 tokens per step): validation
-    -0.16 %, training loss of steps 181-200 -0.13 % (under BF16 autocast, against BF16: +0.24 % / -0.07 %, at three
-    times the CPU time); see docs/fp8.md."""
+    """FP8 vs FP32, means over three seeds (one seed's gap is within the seed-to-seed spread); measured -0.16 %
+    validation, -0.13 % training loss of steps 181-200 (docs/fp8.md)."""
     from data import load_corpus
     cfg = types.SimpleNamespace(path=None, tokenizer=None, text_field="text", val_fraction=0.05,
                                 cache_dir=str(tmp_path))

@@ -14,19 +14,9 @@ kernels.configure()
 from kernels import gemm, selfcheck, tuning  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
-from .fp8_utils import assert_gemm_close  # noqa: E402
+from .fp8_utils import DEV, assert_gemm_close, fresh_verdicts  # noqa: E402,F401 - autouse
 
 TUNED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 8}
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts():
-    selfcheck.forget()
-    yield
-    selfcheck.forget()
-
-
-DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def operands():

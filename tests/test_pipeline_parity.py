@@ -132,10 +132,8 @@ def test_pipeline_matches_single_device(tmp_path, schedule, pp, ep, world, n_mb)
 
 
 def _reordered_worker(rank, world, strict, out=None):
-    """DualPipe pp=2 with rank 1's two back-to-back receives from rank 0 (an activation and a gradient of
-    the same shape) swapped: a FIFO mistake that tag matching would have hidden. A strict-mode error is also
-    written to ``out``/rank<r>.err: once rank 1 fails, rank 0 fails too (its peer is gone), and which of the two
-    errors ``spawn`` reports depends on timing."""
+    """DualPipe pp=2 with rank 1's two same-shape receives from rank 0 swapped (tag matching would hide it); the
+    strict-mode error also goes to ``out``/rank<r>.err, since which rank's error ``spawn`` reports is timing."""
     dims = ParallelDims(world_size=world, rank=rank, pp=2).build_groups()
     cfg = ModelConfig(**CFG)
     ref = build(cfg, seed=0).train()

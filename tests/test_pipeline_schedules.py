@@ -240,9 +240,8 @@ def _fifo_cases():
 
 
 def test_every_rank_pair_is_fifo_consistent():
-    """For every schedule, pp 2..16 (DualPipeV odd pp too) and micro-batch counts {min, min+1/+2, 20, 40}:
-    the k-th SEND a -> b carries the same (payload, mb, stage) as the k-th RECV b <- a, for every ordered
-    pair; and the simulator (which pairs in FIFO order and checks every dependency) accepts the list."""
+    """Every schedule, pp 2..16, n in {min, min+1/+2, 20, 40}: the k-th SEND a -> b carries what the k-th RECV
+    b <- a expects, and the simulator accepts the list."""
     checked = set()
     for name, pp, n in _fifo_cases():
         schedule = get_schedule(name, pp, n)
@@ -273,8 +272,8 @@ def test_compute_order_is_pinned():
 
 
 def test_fifo_violation_is_rejected():
-    """The placement this project had before (each receive right before its consumer) is not FIFO for
-    DualPipe pp=8: r0 sends act6, grad8, grad9 to r1, which needed grad8, grad9, then act6."""
+    """Two swapped receives of different payloads from one peer (each receive right before its consumer) are
+    not FIFO: the checker names the rank and the pairing."""
     schedule = get_schedule("dualpipe", 8, 20)
     recvs = [i for i, a in enumerate(schedule[1]) if a.kind is Kind.RECV and a.peer == 0]
     i, j = next((i, j) for i, j in zip(recvs, recvs[1:]) if schedule[1][i].payload is not schedule[1][j].payload)

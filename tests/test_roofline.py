@@ -120,10 +120,8 @@ def test_each_head_loss_reproduces_its_measured_step(head_loss):
 
 
 def test_compiled_regions_are_one_kernel_each_way(monkeypatch):
-    """``train.compile`` (on CUDA by default): each norm, SwiGLU product, MoE combine and query / key rotation
-    records one fused kernel forward and one backward (plus a reduction for a norm's weight, a gate, a key's rope
-    part shared by the heads), reading its inputs and writing its output once; the eager chains' elementwise
-    bytes go, and nothing else changes. (The rope region is opt-in under inductor: ``parallel.compile.rope_enabled``.)"""
+    """``train.compile``: each norm, SwiGLU product, MoE combine and rotation is one fused kernel each way (plus
+    the reductions its weights need), reading inputs and writing its output once; nothing else changes."""
     monkeypatch.setenv(ROPE_ENV, "1")
     eager, _ = record_step(compose(["+exp=tiny", "train.precision=bf16", "train.compile=off"]))
     comp, mcfg = record_step(compose(["+exp=tiny", "train.precision=bf16"]))
@@ -176,10 +174,8 @@ def test_fp8_is_refused_with_one_line(capsys):
 
 
 def test_adamw_kernel_by_hand():
-    """``Replicated`` with BF16 weights on its CUDA path (the Triton AdamW), one micro-batch, W [N,K] and b [N]:
-    the norm reads each BF16 gradient once (one ``_foreach_norm``); then one kernel launch per parameter reads
-    the BF16 gradient, the FP32 master and both FP32 moments and writes master, moments and the BF16 weight
-    (2 + 4·4 + 4·3 + 2 = 28 bytes per element); no clip multiply, no FP32 copy of a gradient, no cast pass."""
+    """``Replicated``'s Triton AdamW with BF16 weights: one norm read of each gradient, then one launch per
+    parameter at 2 + 4·4 + 4·3 + 2 = 28 bytes per element; no clip multiply, FP32 gradient copy or cast pass."""
     from types import SimpleNamespace
 
     from parallel.dims import ParallelDims
@@ -210,9 +206,8 @@ def test_adamw_kernel_by_hand():
 
 
 def test_v3_small_optimizer_is_the_adamw_kernel():
-    """The optimizer phase of the v3_small step with the Triton AdamW: one launch per parameter, 20 bytes per
-    parameter with its BF16 moments (``optim.moment_dtype=auto`` beside BF16 weights; 28 with FP32 moments), and
-    the phase at most 0.7x what torch's fused AdamW (FP32 moments) with its clip, casts and copy predict."""
+    """v3_small's optimizer phase on the Triton AdamW: one launch and 20 bytes per parameter (BF16 moments),
+    at most 0.7x torch's fused AdamW with its clip, casts and copy."""
     kernel, mcfg = record_step(compose(["+exp=v3_small"]), 4)
     fp32, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4)
     fused, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4, adamw_kernel=False)

@@ -75,11 +75,8 @@ def tile_padding(cfg, tokens: int) -> float:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fp8_estimate_matches_saved_tensors_on_tiny(mode, monkeypatch):
-    """fp8=True vs the bytes autograd saves (BF16 autocast, CPU math attention, 128 tokens), per token:
-    measured 60173.7 / 31262.0 / 21002.7 (none / selective / full), estimated 55653.2 / 31318.2 / 20544.0
-    with the experts' tile padding (5550.2 per token in none and selective, ~3.5x the experts' per-token
-    FP8 copies at 128 tokens): -7.5 %, +0.2 %, -2.2 %. (BF16 without FP8: 57725.2 / 29784.4 / 21002.7 measured,
-    52192 / 28832 / 20544 estimated; most of the shortfall in none is the math SDPA's FP32 q, k, v on CPU.)"""
+    """fp8=True vs the bytes autograd saves per token (BF16 autocast, 128 tokens): measured -7.5 %, +0.2 %, -2.2 %
+    (none / selective / full) with the experts' tile padding; none's shortfall is mostly CPU SDPA's FP32 q, k, v."""
     cfg = model_preset("tiny")
     measured = saved_bytes_per_token(tiny(mode, fp8=True), monkeypatch)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
@@ -90,9 +87,8 @@ def test_fp8_estimate_matches_saved_tensors_on_tiny(mode, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["tiny", "v3_671b"])
 def test_fp8_estimates_are_below_bf16(preset):
-    """Per mode: fp8 keeps strictly less than bf16 (saved + the recompute working set); under full the layers
-    keep only region inputs in the activation dtype, the same bytes (measured equal on tiny), and only the
-    recomputed regions shrink."""
+    """Per mode fp8 keeps less than bf16; under full only the recomputed regions shrink (region inputs are
+    the same bytes, measured equal on tiny)."""
     cfg = model_preset(preset)
     split, tokens = [range(cfg.n_layers)], 4096
     for mode in MODES:
