@@ -1,11 +1,8 @@
 """Multi-process test harness: ranks started from a forkserver + gloo + a file rendezvous in a tmp dir.
 
-The forkserver (one per pytest process, started at the first ``spawn``) has imported torch, DTensor, DCP and the
-trainer once (none of them reads the environment when imported, and none imports Triton's kernels, which
-``kernels.configure`` must precede), so a rank starts in ~0.1 s of CPU instead of the seconds a fresh
-interpreter spends importing them (torch alone ~1.6 s; `tests/test_ep.py`'s parity cases: 47 s instead of 80 s). Otherwise a rank
-is what ``torch.multiprocessing.spawn`` makes: the caller's ``sys.path`` and working directory (multiprocessing's
-preparation data), and the caller's environment at the call, set before ``fn`` and its module are unpickled."""
+The forkserver (one per pytest process) has imported torch, DTensor, DCP and the trainer once (none reads the
+environment or imports Triton's kernels when imported), so a rank starts in ~0.1 s instead of seconds. Otherwise a
+rank is what ``torch.multiprocessing.spawn`` makes, with the caller's environment at the call."""
 import gc
 import os
 import pickle

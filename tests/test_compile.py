@@ -135,9 +135,8 @@ def _norm(x, w):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_regions_on_cuda_equal_eager(dtype):
-    """What the trainer runs on a GPU (``train.compile=auto``): inductor's kernels for the four regions, forward
-    and backward, against the eager functions. FP32 to rounding; BF16 within one BF16 rounding (inductor keeps the
-    norm's FP32 statistics in registers and rounds once)."""
+    """Inductor's kernels for the four regions vs eager: FP32 to rounding, BF16 within one BF16 rounding (inductor
+    keeps the norm's FP32 statistics in registers)."""
     from models.layers import rope_heads, swiglu
     from models.moe import unsort_and_weight
     from parallel.compile import region

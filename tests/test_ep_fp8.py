@@ -51,10 +51,8 @@ def moe_cfg(ep_nodes: int) -> ModelConfig:
 
 
 class WireLog:
-    """Within ``with``: records (phase, dtype, shape) of every input handed to ``all_to_all_single``; the phase
-    is "dispatch" / "combine" inside ``disp``'s forward calls (launches included: the hierarchical FP8
-    ``_dispatch`` / ``_combine``, the flat dispatcher's ``start`` in those directions), "other" elsewhere
-    (the backward)."""
+    """Within ``with``: (phase, dtype, shape) of every ``all_to_all_single`` input; phase "dispatch" / "combine"
+    inside ``disp``'s forward calls and their launches, "other" elsewhere (the backward)."""
 
     def __init__(self, disp):
         self.disp, self.calls, self.phase = disp, [], "other"

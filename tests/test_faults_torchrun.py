@@ -55,9 +55,8 @@ def last_line(err: str) -> str:
 
 # ---- the first failure ---------------------------------------------------------------------------------------
 def test_killed_worker_is_named_not_the_peer_it_took_down(tmp_path):
-    """SIGKILL rank 1 (the OOM killer): rank 0 loses its connection and exits 3 a moment later. With the agent
-    polling every 3 s both are noted in one poll, in the same second: torch's ``get_first_failure`` names rank
-    0 (seen before this launcher kept its own times). The launcher names rank 1 and exits 128 + 9."""
+    """SIGKILL rank 1; rank 0 exits 3 a moment later, in the same 3 s poll (where torch's ``get_first_failure``
+    names rank 0): the launcher names rank 1 and exits 128 + 9."""
     run = tmp_path / "run"
     tr = launch(run, tmp_path / "cache", "--monitor-interval=3", overrides=["parallel.ep=2"])
     wait_for_steps(run, 2, [tr])
@@ -94,11 +93,8 @@ def test_first_failure_is_the_first_to_end_among_those_the_agent_did_not_end():
 
 
 def test_config_error_is_the_one_line_while_a_peer_is_still_starting(tmp_path):
-    """Rank 0 fails its config (exit 2) while rank 1 is still in start-up (here: held in its stop handlers'
-    first mode, as while importing torch on a loaded node). The agent's closing SIGTERM to rank 1 is no stop
-    request: rank 1 leaves without its start-up stop line, and the config error is the only line. Rank 1 runs
-    under a wrapper that stays its parent (as ``tools/slurm/train.sbatch``'s does), so the pid the agent signals
-    (its process group's) is not the trainer's own."""
+    """Rank 0 fails its config while rank 1 is still starting (under a wrapper that stays its parent, as
+    train.sbatch's does): the agent's SIGTERM to rank 1 is no stop request, and the config error is the only line."""
     starting = ("import os, time; from trainer.lifecycle import StartupStops; "
                 "StartupStops(int(os.environ['RANK'])).install(); time.sleep(60)")
     code = tmp_path / "rank1.code"
@@ -116,9 +112,8 @@ def test_config_error_is_the_one_line_while_a_peer_is_still_starting(tmp_path):
 # ---- stop signals to the launcher -----------------------------------------------------------------------------
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signal_to_the_launcher_saves_and_exits_75(tmp_path, sig):
-    """SLURM preemption (SIGTERM) or ``--signal=USR1@<s>`` reaching the launcher: forwarded to both workers,
-    which save and exit 75; the launcher exits 75 with one line. Stock torchrun: a ``SignalException``
-    traceback and exit 1 on SIGTERM, and on SIGUSR1 it dies at once leaving its workers running."""
+    """SIGTERM or SIGUSR1 to the launcher reaches both workers, which save and exit 75; the launcher exits 75 with
+    one line (stock torchrun: a traceback, or dying at once with its workers left running)."""
     from checkpoint import CheckpointManager
     run = tmp_path / "run"
     tr = launch(run, tmp_path / "cache", overrides=["parallel.ep=2"])

@@ -25,9 +25,8 @@ def balanced_node_limited(T: int, nodes: int, per_node: int, M: int, K: int, gen
 
 
 def _inter_node_row_bytes(calls, members, rank: int) -> int:
-    """Bytes of token rows (width D: activations, FP8 bytes; D/128: their scales) this rank's all-to-alls sent to
-    other ranks, all of them on other nodes here (one rank per node). Gate weights and ids (width K) are not
-    counted, as the planner does not count them."""
+    """Bytes of token rows (width D, and D/128 scales) this rank sent to other ranks (nodes); gate weights and
+    ids are left out, as the planner leaves them out."""
     total = 0
     for c in calls:
         if c.op != "all_to_all_single":

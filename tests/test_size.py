@@ -106,8 +106,7 @@ def test_bad_layouts_are_one_line_errors(overrides, message, capsys):
 
 
 def test_flops_per_token_matches_flop_counter_on_tiny(monkeypatch):
-    """6N + causal attention vs torch's FlopCounterMode on one forward + backward of the tiny model.
-    The counter counts full (non-causal) attention, twice the formula's causal term."""
+    """6N + causal attention vs FlopCounterMode on the tiny model (which counts attention as non-causal: 2x)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from models.moe import GroupedExperts
@@ -140,8 +139,8 @@ def test_activation_estimate_matches_saved_tensors_on_tiny():
 
 
 def test_recompute_modes_order_the_activation_peak(capsys):
-    """--recompute selective sits between none and full; train.recompute is the default; full keeps more
-    than each layer's input in MoE layers (tools.plan's floor), and a bad mode is a one-line error."""
+    """--recompute: none > selective > full (full above tools.plan's floor; train.recompute the default); a bad
+    mode is a one-line error."""
     peaks = {r: plan_memory(compose_cfg(*V3_LAYOUT), world_size=2048, recompute=r).worst.act_peak
              for r in ("none", "selective", "full", "floor")}
     assert peaks["none"] > peaks["selective"] > peaks["full"] > peaks["floor"]

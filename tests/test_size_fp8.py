@@ -19,8 +19,7 @@ B, T = 2, 64
 
 
 def saved_bytes_per_token(model, monkeypatch) -> float:
-    """Distinct storages autograd saves in one BF16-autocast training forward, per token, less the parameters
-    and the FP8 weight copies (per weight, not per token: recorded where ``parallel.fp8`` makes them)."""
+    """Distinct storages autograd saves per token in a BF16-autocast forward, less parameters and FP8 weight copies."""
     copies = {}   # held, so that no activation can reuse a freed copy's address
     quant = fp8_module._quant_weight
 
@@ -66,8 +65,7 @@ def estimate(cfg, mode: str, fp8: bool) -> float:
 
 
 def tile_padding(cfg, tokens: int) -> float:
-    """Bytes one MoE layer's FP8 expert copies keep beyond the per-token terms in one micro-batch: their 128-row
-    tiles restart at each local expert (``trainer/activations.py``, not modelled per token)."""
+    """Bytes a MoE layer's FP8 expert copies keep beyond the per-token terms: tiles restart at each expert."""
     R = tokens * cfg.n_activated_experts
     rows = 128 * (-(-R // 128) + cfg.n_routed_experts - 1)
     return (cfg.dim + cfg.moe_inter_dim) * (1 + 4 / 128) * (rows - R)   # w1/w3's shared copy of x, w2's of h
