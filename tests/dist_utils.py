@@ -96,19 +96,48 @@ def _run_module(module: str, argv: list[str], env: dict, cwd: str, out: str, err
         os._exit(code)
 
 
+class Module:
+    """``python -m module *argv`` running in a forkserver child (``start_module``): ``pid``, ``wait``, ``kill``."""
+
+    def __init__(self, module: str, argv: list[str], env: dict, cwd):
+        import tempfile
+        self.args = [module, *argv]
+        self._tmp = tempfile.TemporaryDirectory()
+        self._out, self._err = os.path.join(self._tmp.name, "out"), os.path.join(self._tmp.name, "err")
+        self.proc = mp.get_context("forkserver").Process(target=_run_module,
+                                                         args=(module, argv, env, str(cwd), self._out, self._err))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float):
+        """Its ``subprocess.CompletedProcess`` once it exits; ``subprocess.TimeoutExpired`` (it is killed) after
+        ``timeout`` seconds."""
+        import subprocess
+        try:
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.kill()
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            read = lambda path: open(path, errors="replace").read() if os.path.exists(path) else ""   # noqa: E731
+            return subprocess.CompletedProcess(["python", "-m", *self.args], self.proc.exitcode, read(self._out),
+                                               read(self._err))
+        finally:
+            if not self.proc.is_alive():
+                self._tmp.cleanup()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def start_module(module: str, argv: list[str], env: dict, cwd) -> Module:
+    """``subprocess.Popen([python, "-m", module, *argv], cwd=cwd, env=env)`` with its output captured, forked from
+    the forkserver (``_run_module``) instead of started afresh."""
+    return Module(module, argv, env, cwd)
+
+
 def run_module(module: str, argv: list[str], env: dict, cwd, timeout: float):
     """``subprocess.run([python, "-m", module, *argv], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)``, forked from the forkserver (``_run_module``) instead of started afresh."""
-    import subprocess
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        proc = mp.get_context("forkserver").Process(target=_run_module, args=(module, argv, env, str(cwd), out, err))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired([module, *argv], timeout)
-        read = lambda path: open(path, errors="replace").read() if os.path.exists(path) else ""   # noqa: E731
-        return subprocess.CompletedProcess(["python", "-m", module, *argv], proc.exitcode, read(out), read(err))
+    return start_module(module, argv, env, cwd).wait(timeout)

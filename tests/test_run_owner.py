@@ -3,6 +3,7 @@ naming the owner; stale locks (a dead pid here, the same job restarted, no heart
 taken over with a warning; the lock goes when the run ends."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from errors import ConfigError
 from parallel.dims import ParallelDims
 from trainer.owner import OWNER_FILE, STALE_S, Owner
 
-from .trainer_utils import ROOT, fast_overrides, read_jsonl, run_cli
+from .trainer_utils import fast_overrides, read_jsonl, run_cli, start_cli
 
 ONE = ParallelDims(world_size=1)
 
@@ -90,26 +91,30 @@ def test_beat_and_release_touch_only_a_lock_this_process_holds(tmp_path, other_p
 
 def test_two_runs_on_one_directory(tmp_path):
     """The CLI: while one run trains, a second on its directory exits 2 with one line naming it; the first
-    finishes undisturbed and leaves no lock behind."""
-    run = tmp_path / "run"
+    finishes undisturbed and leaves no lock behind. The first is held (SIGSTOP) between its first step and the
+    second's exit, so the second meets it mid-run however slowly either starts."""
+    run, steps = tmp_path / "run", 6
     args = ["+exp=tiny", f"hydra.run.dir={run}", "checkpoint.every=0", "checkpoint.save_final=false",
             *fast_overrides(tmp_path, tmp_path / "cache")]
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "trainer", *args, "train.max_steps=40"], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = start_cli(*args, f"train.max_steps={steps}")
     try:
         deadline = time.time() + 120
-        while not (run / OWNER_FILE).exists() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        second = run_cli(*args, "train.max_steps=5", timeout=120)
+        while not (run / "metrics.jsonl").is_file() and first.proc.is_alive() and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.proc.is_alive(), first.wait(0).stderr[-3000:]
+        os.kill(first.pid, signal.SIGSTOP)            # training, holding the lock
+        try:
+            second = run_cli(*args, "train.max_steps=5", timeout=120)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
         assert second.returncode == 2, second.stderr[-2000:]
         lines = second.stderr.strip().splitlines()
         assert lines[-1].startswith(f"error: run directory {run} is in use by another run (pid {first.pid} "), lines
-        out, err = first.communicate(timeout=300)
+        done = first.wait(300)
     finally:
         first.kill()
-    assert first.returncode == 0, err[-3000:]
-    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 41))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, steps + 1))
     assert not (run / OWNER_FILE).exists()
 
 

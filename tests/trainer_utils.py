@@ -43,8 +43,13 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     interpreter, which spends seconds importing them; it then runs exactly what ``python -m trainer`` runs
     (``runpy``, ``__main__``, the given environment, atexit handlers at the end)."""
     # One intra-op thread: tests run in parallel on 2 cores, and oversubscribed OpenMP threads stall badly.
+    return start_cli(*args, env=env).wait(timeout)
+
+
+def start_cli(*args: str, env: dict | None = None) -> dist_utils.Module:
+    """``run_cli`` without waiting: the running trainer (``pid``; ``wait(timeout)`` gives what ``run_cli`` gives)."""
     full_env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **(env or {})}
-    return dist_utils.run_module("trainer", list(args), full_env, ROOT, timeout)
+    return dist_utils.start_module("trainer", list(args), full_env, ROOT)
 
 
 def run_torchrun(tmp_path: Path, name: str, nproc: int, *overrides: str, steps: int = 5) -> list[dict]:
