@@ -36,7 +36,7 @@ def test_modes_raise_then_note(handlers):
 
 
 def _start(tmp_path, *extra, merge=False):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     cmd = [sys.executable, "-m", "trainer", "+exp=tiny", *fast_overrides(tmp_path, tmp_path / "cache"),
            f"hydra.run.dir={tmp_path}/run", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,

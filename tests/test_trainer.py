@@ -1,4 +1,5 @@
 """Trainer: metrics, resume (bitwise), atomic checkpoints, W&B offline, CLI."""
+import os
 import signal
 import subprocess
 import sys
@@ -95,7 +96,8 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path, cache):
               "checkpoint.every=1"]
     run_inprocess(tmp_path / "run", *common, "train.stop_at_step=3")
     script = KILLED_SAVE.format(root=str(ROOT), run=str(tmp_path / "run"), overrides=common)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     partial = list(ck.glob(".tmp-*"))
     assert partial and any(partial[0].iterdir()), "the killed save should have left a partial temp dir"
