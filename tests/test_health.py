@@ -143,9 +143,13 @@ def _poison_data(trainer, first_steps: set[int], seen: dict):
     trainer.batches.next_batch, trainer.opt.step, trainer.roll_back = reading, stepping, rolling_back
 
 
+# A quarter of +exp=tiny's tokens per step: the rollback tests assert about steps, batches and losses, not size.
+SMALL = ["train.global_batch_size=8", "train.micro_batch_size=4", "data.seq_len=64", "train.eval_batches=1"]
+
+
 def _trainer(tmp_path, *overrides):
     from trainer.train import Trainer
-    cfg = make_config("logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0",
+    cfg = make_config(*SMALL, "logging.wandb.mode=disabled", "logging.progress=false", "train.eval_every=0",
                       f"data.cache_dir={tmp_path}/cache", "checkpoint.every=4", "checkpoint.keep=2",
                       "train.health.warmup_steps=5", *overrides)
     return Trainer(cfg, tmp_path / "run")
