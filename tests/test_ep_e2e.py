@@ -1,7 +1,16 @@
 """End to end: torchrun with expert + data parallelism reproduces the single-process losses."""
 import pytest
 
-from .trainer_utils import assert_losses_match, run_torchrun as run
+from .trainer_utils import assert_losses_match, run_torchrun
+
+# Sequences of 32 tokens in +exp=tiny's 8 micro-batches of 2, one validation batch: the parity of the losses does
+# not depend on the length, and each step costs a quarter.
+SHAPE = ("data.seq_len=32", "train.eval_batches=1")
+
+
+def run(tmp_path, name: str, nproc: int, *overrides: str) -> list[dict]:
+    return run_torchrun(tmp_path, name, nproc, *SHAPE, *overrides)
+
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):

@@ -7,9 +7,16 @@ import torch
 import torch.distributed as dist
 
 from .dist_utils import spawn
-from .trainer_utils import assert_losses_match, run_torchrun as run
+from .trainer_utils import assert_losses_match, run_torchrun
 
 FP32 = "optim.moment_dtype=fp32"
+# Sequences of 32 tokens, +exp=tiny's 8 micro-batches of 2 (so 2 to 4 per rank in every layout here), one
+# validation batch: the parity of the losses does not depend on the length, and each step costs a quarter.
+SHAPE = ["data.seq_len=32", "train.eval_batches=1"]
+
+
+def run(tmp_path, name: str, nproc: int, *overrides: str, steps: int) -> list[dict]:
+    return run_torchrun(tmp_path, name, nproc, *SHAPE, *overrides, steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +150,7 @@ def test_torn_checkpoint_fails_clearly(tmp_path):
     older to fall back to)."""
     from .trainer_utils import run_cli
     ck = tmp_path / "ck"
-    run(tmp_path, "a", 2, "parallel.zero=1", f"checkpoint.dir={ck}", steps=2)
+    run_torchrun(tmp_path, "a", 2, "parallel.zero=1", f"checkpoint.dir={ck}", steps=2)
     step = ck / "step_00000002"
     shard = step / "__1_0.distcp"
     assert shard.is_file()

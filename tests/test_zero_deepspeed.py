@@ -13,6 +13,9 @@ from .trainer_utils import ROOT, assert_losses_match, make_config, run_torchrun
 
 DS = "parallel.zero_backend=deepspeed"
 FP32 = "optim.moment_dtype=fp32"
+# Sequences of 32 tokens in +exp=tiny's 8 micro-batches of 2 (4 per rank), one validation batch: the parity of
+# the losses does not depend on the length, and each step costs a quarter.
+SHAPE = ("data.seq_len=32", "train.eval_batches=1")
 
 
 def _deepspeed():
@@ -31,7 +34,7 @@ def _extensions_dir(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     """Native ZeRO-1, dp=2, fp32 moments, 5 steps (4 micro-batches per rank and step): the reference."""
-    return run_torchrun(tmp_path_factory.mktemp("native"), "native", 2, "parallel.zero=1", FP32,
+    return run_torchrun(tmp_path_factory.mktemp("native"), "native", 2, *SHAPE, "parallel.zero=1", FP32,
                         "checkpoint.save_final=false")
 
 
@@ -41,7 +44,8 @@ def test_deepspeed_matches_native(tmp_path, native, zero):
     """Trainer end to end. ZeRO-2 with ep=2 (experts in DeepSpeed MoE groups, reduced over expert-dp) is
     checked at the optimizer level below, against the native optimizer."""
     _deepspeed()
-    got = run_torchrun(tmp_path, f"ds{zero}", 2, f"parallel.zero={zero}", DS, FP32, "checkpoint.save_final=false")
+    got = run_torchrun(tmp_path, f"ds{zero}", 2, *SHAPE, f"parallel.zero={zero}", DS, FP32,
+                       "checkpoint.save_final=false")
     assert_losses_match(got, native, rel=1e-5)
     for g, w in zip(got, native):   # DeepSpeed's global norm (fp32) is the native one (fp64)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
@@ -54,9 +58,9 @@ def test_checkpoints_move_between_backends(tmp_path, native):
     checkpoint dir: the losses are those of the uninterrupted native run."""
     _deepspeed()
     ck = f"checkpoint.dir={tmp_path / 'ck'}"
-    a = run_torchrun(tmp_path, "a", 2, "parallel.zero=2", DS, FP32, ck, "train.stop_at_step=2")
-    b = run_torchrun(tmp_path, "b", 2, "parallel.zero=1", FP32, ck, "train.stop_at_step=3")
-    c = run_torchrun(tmp_path, "c", 2, "parallel.zero=1", DS, FP32, ck, "checkpoint.save_final=false")
+    a = run_torchrun(tmp_path, "a", 2, *SHAPE, "parallel.zero=2", DS, FP32, ck, "train.stop_at_step=2")
+    b = run_torchrun(tmp_path, "b", 2, *SHAPE, "parallel.zero=1", FP32, ck, "train.stop_at_step=3")
+    c = run_torchrun(tmp_path, "c", 2, *SHAPE, "parallel.zero=1", DS, FP32, ck, "checkpoint.save_final=false")
     assert [m["step"] for m in a + b + c] == [1, 2, 3, 4, 5]
     assert_losses_match(a + b + c, native, rel=1e-5)
 
