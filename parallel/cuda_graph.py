@@ -98,7 +98,7 @@ class GraphedStep:
         self.opt.zero_grad()   # the graph's backward makes the gradients it then rewrites
         try:
             self.graph, self.out = self.graphs.capture(lambda: self.fn(*self.inputs, *consts))
-        except RuntimeError as e:
+        except Exception as e:   # noqa: BLE001 - any failure of the capture: the eager step is the reference
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("train.cuda_graph: capturing the forward and backward failed (%s); every step runs eagerly",
                         self.failed)
