@@ -411,20 +411,19 @@ def _paused(recorder: Recorder, sums: list | None = None):
 
 
 # ---- the step ---------------------------------------------------------------------------------------------
-def fake_model(cfg, layers: int | None = None, device: str = "cpu"):
-    """``cfg.model`` (cut to ``layers``) with FP32 fake parameters on ``device``: built on meta, its parameters and
-    buffers replaced by fake tensors of the same shapes (caller holds a ``FakeTensorMode``)."""
+def fake_model(cfg, layers: int | None = None):
+    """``cfg.model`` (cut to ``layers``) with FP32 fake parameters on the CPU device: built on meta, its
+    parameters and buffers replaced by fake tensors of the same shapes (caller holds a ``FakeTensorMode``)."""
     import models
     m_cfg = dataclasses.replace(cfg.model, n_layers=layers) if layers else cfg.model
     model = models.build(m_cfg, device="meta")
     for mod in model.modules():
         for n, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=device),
-                                                  requires_grad=p.requires_grad)
+                mod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
         for n, b in list(mod._buffers.items()):
             if b is not None:
-                mod._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device=device)
+                mod._buffers[n] = torch.empty(b.shape, dtype=b.dtype)
     return model
 
 

@@ -26,7 +26,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -180,6 +180,33 @@ def saved_run_id(checkpoint: str | Path | None) -> str | None:
 
 
 # ---- the logger ----------------------------------------------------------------------------------
+class StragglerWatch:
+    """``rank_skew``: (slowest - median) / median of the ranks' compute seconds in the previous step, and
+    ``slowest_rank``; names the slowest rank once it stays over logging.straggler_threshold for
+    logging.straggler_steps steps in a row (again after it recovered)."""
+
+    def __init__(self, logging_cfg):
+        self.cfg = logging_cfg
+        self.slow = (None, 0)   # (rank, steps in a row) over logging.straggler_threshold
+
+    def metrics(self, times: list[float] | None, step: int, write: Callable[[str], None]) -> dict:
+        if not times:
+            return {}
+        lg = self.cfg
+        median = sorted(times)[(len(times) - 1) // 2]   # the lower one of an even count: with two ranks, the other
+        slowest = max(range(len(times)), key=times.__getitem__)
+        skew = times[slowest] / median - 1 if median > 0 else 0.0
+        rank, n = self.slow
+        n = (n + 1 if rank == slowest else 1) if skew > lg.straggler_threshold else 0
+        self.slow = (slowest, n)
+        if n == lg.straggler_steps:
+            write(
+                f"step {step}: rank {slowest} is a straggler: its compute took {times[slowest]:.3g} s per step, "
+                f"{skew:.0%} over the median rank's {median:.3g} s, for {n} steps in a row (logging.straggler_"
+                f"threshold={lg.straggler_threshold:g}); see its node's load, clocks and memory")
+        return {"rank_skew": skew, "slowest_rank": slowest}
+
+
 class MetricsLogger:
     """One per rank; only rank 0 (``is_main``) writes. ``config_dict`` is the full run config as a dict;
     ``device`` and ``world_size`` give MFU and per-rank numbers. ``heatmap_every``: steps between expert-load

@@ -25,7 +25,7 @@ from .ema import ParamEMA
 from .health import HealthGuard
 from .lifecycle import StopRequests, TrainingError, failure_cause, is_comm_failure
 from .lr_schedule import lr_multiplier
-from .metrics import rank_memory, run_dir_writing
+from .metrics import StragglerWatch, rank_memory, run_dir_writing
 from .owner import Owner
 from .startup import (barrier, build_model, check_init_tokenizer, load_corpus_rank0_first, open_data, open_logger,
                       preflight_all_ranks, run_tokenizer)
@@ -124,7 +124,7 @@ class Trainer:
         self.skipped_in_a_row = 0
         self._saved_step, self._saved_path = None, None
         self._busy_s, self._rank_busy, self._comm_s = 0.0, None, 0.0   # this rank's compute seconds of the last step; every rank's
-        self._slow = (None, 0)   # (rank, steps in a row) over logging.straggler_threshold
+        self.stragglers = StragglerWatch(cfg.logging)
 
     def _open_checkpoints(self, cfg: Config) -> CheckpointManager:
         """The run's ``CheckpointManager``. Before anything slow: an unwritable ``checkpoint.dir`` fails now (one
@@ -354,27 +354,6 @@ class Trainer:
         self._rank_busy = flags[w + 2:] if w > 1 and self._busy_s > 0 else None
         return [r for r in range(w) if flags[r] > 0]
 
-    def straggler_metrics(self) -> dict:
-        """``rank_skew``: (slowest - median) / median of the ranks' compute seconds in the previous step, and
-        ``slowest_rank``; names the slowest rank once it stays over logging.straggler_threshold for
-        logging.straggler_steps steps in a row (again after it recovered)."""
-        times = self._rank_busy
-        if not times:
-            return {}
-        lg = self.cfg.logging
-        median = sorted(times)[(len(times) - 1) // 2]   # the lower one of an even count: with two ranks, the other
-        slowest = max(range(len(times)), key=times.__getitem__)
-        skew = times[slowest] / median - 1 if median > 0 else 0.0
-        rank, n = self._slow
-        n = (n + 1 if rank == slowest else 1) if skew > lg.straggler_threshold else 0
-        self._slow = (slowest, n)
-        if n == lg.straggler_steps:
-            self.logger.write(
-                f"step {self.step}: rank {slowest} is a straggler: its compute took {times[slowest]:.3g} s per step, "
-                f"{skew:.0%} over the median rank's {median:.3g} s, for {n} steps in a row (logging.straggler_"
-                f"threshold={lg.straggler_threshold:g}); see its node's load, clocks and memory")
-        return {"rank_skew": skew, "slowest_rank": slowest}
-
     def skip_step(self, bad_ranks: list[int], sums: torch.Tensor, n_micro: int, gbs: int, t0: float) -> dict:
         """A step whose loss or gradients were non-finite somewhere: no update, no LR step, no bias update
         (its expert loads are dropped); the batch counts as consumed. Stops the run after
@@ -503,7 +482,8 @@ class Trainer:
         seconds for the next step's straggler check), pipeline, stragglers, memory, data sources."""
         ep, phases, pipeline = self._ep_metrics(), self.timers.read(), self._pipeline_metrics()
         self._busy_s = self._compute_seconds(phases)
-        return {**ep, **phases, **pipeline, **self.straggler_metrics(), **rank_memory(self.device, self.dims),
+        slow = self.stragglers.metrics(self._rank_busy, self.step, lambda line: self.logger.write(line))
+        return {**ep, **phases, **pipeline, **slow, **rank_memory(self.device, self.dims),
                 **{f"mem_state_{k}_gb": v / 1e9 for k, v in self.memory.measured.items()}, **self._source_metrics()}
 
     def _compute_seconds(self, phases: dict) -> float:
