@@ -169,9 +169,9 @@ def test_one_quantiser_launch_for_both_copies_changes_no_byte(grouped):
     separate = types.SimpleNamespace(**base, quant_act_both=lambda x, tpe, pow2: (*quant.quant_act(x, pow2),
                                                                                  *quant.quant_act_t(x, tpe, pow2)))
     g = torch.Generator().manual_seed(5)
-    x, tpe = torch.randn(200, 256, generator=g), torch.tensor([70, 0, 130])
-    w = torch.randn(3, 136, 256, generator=g) if grouped else torch.randn(136, 256, generator=g)
-    dy = torch.randn(200, 136, generator=g)
+    x, tpe = torch.randn(200, 256, generator=g).to(DEV), torch.tensor([70, 0, 130], device=DEV)
+    w = (torch.randn(3, 136, 256, generator=g) if grouped else torch.randn(136, 256, generator=g)).to(DEV)
+    dy = torch.randn(200, 136, generator=g).to(DEV)
 
     def run(ops, w_grad=True):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_(w_grad)
