@@ -4,8 +4,7 @@ chains as generated kernels, the rest of the forward as written.
 Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
 (``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers) and each
-attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``;
-under inductor only with ``DSV3_COMPILE_ROPE=1`` until a GPU has run it: ``rope_enabled``).
+attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``).
 In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
 region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Callable
 
 import torch
@@ -44,16 +42,6 @@ MODES = ("auto", "on", "off")   # train.compile
 RECOMPILE_LIMIT = 64
 COMPILE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")
                        if hasattr(torch._dynamo.exc, name))
-
-
-ROPE_ENV = "DSV3_COMPILE_ROPE"   # "1": inductor compiles the rope region too (opt-in until a GPU has run it)
-
-
-def rope_enabled(backend: str) -> bool:
-    """Whether ``apply_compile`` makes ``MLA.rope_heads`` a region with ``backend``. No GPU has run it under
-    inductor yet, so there it is opt-in (``DSV3_COMPILE_ROPE=1``; the GPU suite's kernel tests set it) until one
-    has verified it; other backends (the CPU tests' ``aot_eager``) always compile it, so its tests cover it."""
-    return backend != "inductor" or os.environ.get(ROPE_ENV) == "1"
 
 
 def enabled(mode: str, device: torch.device | str) -> bool:
@@ -125,7 +113,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
         if _weighing(m):
             m.dispatcher.weigh = Region(unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
-        if isinstance(m, MLA) and rope_enabled(backend):
+        if isinstance(m, MLA):
             m.rope_heads = Region(rope_heads, backend)
             names.append(f"{name}.rope_heads")
         if getattr(type(m), "compiled_from", None) is not None:   # compiled before (maybe recomputed since)
@@ -152,4 +140,4 @@ def compiled(model: nn.Module) -> list[str]:
         [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m.__dict__.get("rope_heads"), Region)]
 
 
-__all__ = ["MODES", "ROPE_ENV", "Region", "apply_compile", "compiled", "enabled", "region", "rope_enabled"]
+__all__ = ["MODES", "Region", "apply_compile", "compiled", "enabled", "region"]

@@ -50,19 +50,6 @@ def test_modes_and_devices():
         make_config("train.compile=yes")
 
 
-def test_the_rope_region_is_opt_in_under_inductor(monkeypatch):
-    """No GPU has run the rope region under inductor: the trainer's default (inductor) leaves it eager unless
-    DSV3_COMPILE_ROPE=1; the CPU tests' backend compiles it."""
-    from parallel.compile import ROPE_ENV, rope_enabled
-    monkeypatch.delenv(ROPE_ENV, raising=False)
-    assert rope_enabled("aot_eager") and not rope_enabled("inductor")
-    model = tiny()
-    apply_compile(model, backend="inductor")   # lazy: nothing compiles until a region runs
-    assert not [n for n in compiled(model) if n.endswith("rope_heads")] and len(compiled(model)) == REGIONS - 5
-    monkeypatch.setenv(ROPE_ENV, "1")
-    assert rope_enabled("inductor")
-
-
 def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
     model = tiny()
     keys = list(model.state_dict())
