@@ -100,7 +100,7 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
     # not the slow test: 200 training steps of the tiny model in FP8 emulation on the CPU (no GPU kernel)
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-m", "not slow", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     if importlib.util.find_spec("xdist") is not None and not ctx.smoke:
-        cmd += ["-n", "4"]
+        cmd += ["-n", str(max(2, min(8, (os.cpu_count() or 4) // 2)))]   # 8 on a 16-core host: ~60 s
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["--timeout=150"]        # one hung test fails alone instead of eating the part's budget
     budget = max(30.0, ctx.part_deadline("kernels") - time.monotonic())
@@ -114,8 +114,7 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
         import kernels
         kernels.configure()                   # before a kernel module is imported
         from kernels.quant import FUSED_ENV   # the opt-in fused quantiser is verified here, not yet a default
-        from parallel.compile import ROPE_ENV   # so is the opt-in rope region
-        proc = run_cmd(cmd, env={**env_with_path(site), FUSED_ENV: "1", ROPE_ENV: "1"}, timeout=budget)
+        proc = run_cmd(cmd, env={**env_with_path(site), FUSED_ENV: "1"}, timeout=budget)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = None, (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
@@ -124,7 +123,7 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
     if not xml.exists():
         part.error = part.error or f"pytest exit code {rc}, no JUnit XML"
         part.marks = [Mark(declared_marks("kernels")[0].name, "0 failed, 0 errors", f"exit code {rc}", False, "check")]
-        part.headline = f"pytest exit {rc}"
+        part.headline = part.error if rc is None else f"pytest exit {rc}"
         return
     c = junit_counts(xml)
     part.tables.append(Table(["tests", "passed", "failed", "errors", "skipped", "exit code"],
@@ -317,6 +316,8 @@ def part_trainer(ctx: Ctx, part: Part) -> None:
                               bool(cmp and cmp["ok"]), "check"))
         if run.error:
             part.notes.append(f"{run.name}: {run.error}")
+        if run.graph_lines:
+            part.notes.append(f"{run.name}: " + " / ".join(f"`{line[-150:]}`" for line in run.graph_lines))
     part.marks = marks
     part.tables.append(Table(["run", "steps", "loss step 1", f"mean last {tol.tail}", "tokens/s (median, after 5)",
                               "step-1 Δ", "max step Δ", f"last-{tol.tail} Δ", "vs CPU fp32", "wall s"], rows))
@@ -361,7 +362,8 @@ def part_step(ctx: Ctx, part: Part) -> None:
             part.notes.append(f"{key}: not run (time budget)")
             continue
         try:
-            res[key] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters, profile=True, head_loss=head)
+            res[key] = measure_step_fitting(cfg, prec, batch, seq, dev, iters=iters, profile=True, head_loss=head,
+                                            cuda_graph=dev == "cuda")
         except Exception as e:      # noqa: BLE001 - record and go on to the other precision
             part.error += f"{key}: {type(e).__name__}: {e}\n"
             part.log += f"[{key}]\n{traceback.format_exc(limit=6)}\n"
@@ -378,9 +380,10 @@ def part_step(ctx: Ctx, part: Part) -> None:
     part.notes.append(f"Model: preset `{'tiny' if ctx.smoke else 'v3_small'}` with n_layers={cfg.n_layers} "
                       f"(first_k_dense={cfg.first_k_dense}, mtp_depth={cfg.mtp_depth}, {cfg.n_routed_experts} routed "
                       f"experts, top-{cfg.n_activated_experts}); random tokens; forward+backward+AdamW+clip+bias update, "
-                      f"norms and SwiGLU compiled (`train.compile=auto`), BF16 autocast (fp8: `apply_fp8`, Triton "
-                      f"kernels); {iters} timed steps after 2 warm-up steps; host ms: until the step's last op was "
-                      f"enqueued (host-bound when close to the step)."
+                      f"norms, SwiGLU and rope compiled (`train.compile=auto`), BF16 autocast (fp8: `apply_fp8`, "
+                      f"Triton kernels), forward and backward replayed from a CUDA graph (`train.cuda_graph=auto`; "
+                      f"peak memory: reserved, the graph's pool included); {iters} timed steps after 3 warm-up steps; "
+                      f"host ms: until the step's last op was enqueued (host-bound when close to the step)."
                       + (f" FLOPs/token {first['flops_per_token'] / 1e9:.2f} G (models.params.flops_per_token)."
                          if first else ""))
     part.headline = (f"fp8/bf16 step speed-up {speed:.2f}x; MFU " + ", ".join(f"{p} {r['mfu']:.1%}" for p, r in res.items())
@@ -403,7 +406,8 @@ def _step_tables(part: Part, res: dict, peak: float) -> None:
         prof = r.get("profile") or {}
         if prof.get("top"):
             part.tables.append(Table([f"{prec}: top GPU kernels", "calls", "ms", "share of GPU time"],
-                                     [[name, n, f"{ms:.2f}", f"{share:.1%}"] for name, n, ms, share in prof["top"]]))
+                                     [[name, n, f"{ms:.2f}", f"{share:.1%}"]
+                                      for name, n, ms, share in prof["top"][:12]]))
             part.notes.append(f"{prec} profile: GPU busy {prof['busy_ms']:.1f} ms = {prof['busy_fraction']:.0%} of the "
                               f"{r['step_s'] * 1e3:.1f} ms step, {prof['launches']} kernel launches (one profiled step "
                               f"after the timed ones).")

@@ -135,6 +135,7 @@ class TinyRun:
     losses: list[float] = dataclasses.field(default_factory=list)
     tokens_per_s: float | None = None
     error: str = ""
+    graph_lines: list[str] = dataclasses.field(default_factory=list)   # what the run logged of train.cuda_graph
 
 
 def tiny_overrides(steps: int, precision: str, device: str, run_dir: Path, cache_dir: Path) -> list[str]:
@@ -160,6 +161,7 @@ def run_tiny(run: TinyRun, steps: int, cache_dir: Path, env: dict, timeout_s: fl
         run.error = f"timed out after {timeout_s:.0f} s"
     run.seconds = time.monotonic() - t0
     run.output_tail = "\n".join(out.strip().splitlines()[-25:])
+    run.graph_lines = [line.strip() for line in out.splitlines() if "train.cuda_graph" in line][:3]
     if run.returncode not in (0, None):
         run.error = f"exit code {run.returncode}"
     try:
@@ -193,7 +195,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
                  seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto",
                  adamw: str = "auto", host_profile: int = 0, moments: str = "auto", cuda_graph: bool = False) -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
-    MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps) and the
+    MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps; replayed from a
+    graph: ``max_memory_reserved``, the graph's pool included) and the
     last loss. ``head_loss`` is ``train.head_loss`` (``parallel.head_loss``), ``compile`` ``train.compile``
     (``parallel.compile``); ``adamw``: ``auto`` (the trainer's optimizer: the Triton AdamW on CUDA after its
     self-check) or ``torch`` (clip, ``torch.optim.AdamW`` fused, the master cast: the path it replaces);
@@ -259,7 +262,9 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     tokens = batch * seq
     fpt = flops_per_token(cfg, seq).per_token
     tps = tokens / step_s
-    peak_gb = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    # A replay allocates nothing: the graph's activations sit in its pool, which the allocator counts as reserved.
+    peak = torch.cuda.max_memory_reserved if graphed else torch.cuda.max_memory_allocated
+    peak_gb = peak(dev) / 1e9 if dev.type == "cuda" else None
     failed = graphed.failed if graphed else None
     del model, opt, ids, inputs, labels, graphed
     if failed:
@@ -270,7 +275,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
             "peak_gb": peak_gb, "loss": loss, "finite": math.isfinite(loss), "profile": prof, "host_profile": host_top}
 
 
-def profile_step(step, dev, step_s: float, top: int = 12) -> dict:
+def profile_step(step, dev, step_s: float, top: int = 80) -> dict:
     """One more ``step`` under ``torch.profiler``: the ``top`` GPU kernels by total time (name, calls, ms, share)
     and the GPU-busy fraction (summed kernel time over the un-profiled median ``step_s``; streams that overlap
     count twice). Off CUDA, or when the profiler fails: ``{"error": ...}``."""

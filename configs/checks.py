@@ -47,6 +47,11 @@ def compile_modes() -> tuple[str, ...]:             # train.compile
     return MODES
 
 
+def cuda_graph_modes() -> tuple[str, ...]:          # train.cuda_graph
+    from parallel.cuda_graph import MODES
+    return MODES
+
+
 def dispatchers() -> tuple[str, ...]:                # parallel.ep_dispatcher
     from parallel.ep.apply import DISPATCHERS
     return tuple(DISPATCHERS)
@@ -156,6 +161,7 @@ def _check_train(t: TrainConfig) -> None:
     _one_of("train.recompute", t.recompute, recompute_modes())
     _one_of("train.head_loss", t.head_loss, head_losses())
     _one_of("train.compile", t.compile, compile_modes())
+    _one_of("train.cuda_graph", t.cuda_graph, cuda_graph_modes())
     _one_of("train.device", t.device, DEVICES)
     if t.device == "cuda":
         import torch

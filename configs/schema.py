@@ -126,8 +126,8 @@ class TrainConfig:
     # | on | off
     compile: str = "auto"
     # The step's forward and backward replayed as one CUDA graph after two eager steps (parallel/cuda_graph.py): the
-    # host launches them with one call. One process on CUDA only; opt-in until a GPU run has verified it
-    cuda_graph: bool = False
+    # host launches them with one call. auto (on with one process on CUDA) | on (the same, refused elsewhere) | off
+    cuda_graph: str = "auto"
     device: str = "auto"              # auto (cuda if available) | cpu | cuda
     eval_every: int = 50              # validation every N steps (and before the first / after the last); 0 = only those
     eval_batches: int = 4             # validation batches of micro_batch_size sequences
@@ -397,12 +397,13 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _check_cuda_graph(t: TrainConfig, world_size: int) -> None:
     if world_size > 1:
-        raise ConfigError(f"train.cuda_graph=true: one process only (world size {world_size}): the graph would hold "
-                          "the collectives; set train.cuda_graph=false")
+        raise ConfigError(f"train.cuda_graph=on: one process only (world size {world_size}): the graph would hold "
+                          "the collectives; set train.cuda_graph=auto or off")
     import torch
     if t.device == "cpu" or not torch.cuda.is_available():
-        raise ConfigError(f"train.cuda_graph=true needs a CUDA device (train.device={t.device}"
-                          f"{'' if t.device == 'cpu' else ', and none is available'}); set train.cuda_graph=false")
+        none = "" if t.device == "cpu" else ", and none is available"
+        raise ConfigError(f"train.cuda_graph=on needs a CUDA device (train.device={t.device}{none}); "
+                          "set train.cuda_graph=auto or off")
 
 
 def validate(cfg: Config, world_size: int = 1) -> Config:
@@ -419,7 +420,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero,
                     zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule,
                     weights=Precision(t.precision).weights)
-    if t.cuda_graph:
+    if t.cuda_graph == "on":
         _check_cuda_graph(t, world_size)
     dp = world_size // p.pp
     from data.ramp import micro_batches, ramp_sizes

@@ -20,7 +20,8 @@ Replay equals eager because:
   compilation, Triton's autotuning and the kernels' self-checks do, so the first ``WARMUP`` steps run eagerly,
   on the stream the capture then uses (cuBLAS makes its workspace there).
 A capture that fails: one warning line naming the error, and every later step runs eagerly. One process only
-(``configs/checks.py``): collectives would need NCCL's graph support and fixed split sizes.
+(``enabled``; ``configs/schema.py`` refuses ``on`` elsewhere): collectives would need NCCL's graph support and fixed
+split sizes.
 """
 from __future__ import annotations
 
@@ -32,7 +33,18 @@ from torch import nn
 
 log = logging.getLogger("parallel")
 
-WARMUP = 2   # eager steps before the first capture
+WARMUP = 2   # eager steps of each key before its capture
+MODES = ("auto", "on", "off")   # train.cuda_graph
+
+
+def enabled(mode: str, device: torch.device | str, world_size: int, weights: str = "bf16") -> bool:
+    """Whether ``train.cuda_graph=mode`` replays the step from a graph: with one process on CUDA (the config refuses
+    ``on`` anywhere else), ``auto`` with BF16 weights only. FP32 weights, the reference precision, stay eager: on
+    an H100 (torch 2.11) their routed experts copied from pageable host memory, which a capture refuses."""
+    if mode not in MODES:
+        raise ValueError(f"train.cuda_graph: {mode!r} is not one of {', '.join(MODES)}")
+    one_gpu = torch.device(device).type == "cuda" and world_size == 1
+    return one_gpu and (mode == "on" or (mode == "auto" and weights == "bf16"))
 
 
 class CudaGraphs:
@@ -63,22 +75,24 @@ class CudaGraphs:
 
 class GraphedStep:
     """``step(tensors, consts)``: ``fn(*tensors, *consts)`` (a step's forward and backward; returns a device
-    tensor), replayed from a CUDA graph after ``WARMUP`` eager calls. The tensors are copied into the graph's
-    buffers; the constants (hashable host values the graph bakes in) are part of its key. ``opt`` holds the
-    gradients between backward and step (``held_grads`` / ``hold_grads``: ``parallel.zero.Replicated``)."""
+    tensor), replayed from a CUDA graph after ``WARMUP`` eager calls with its key (a new shape compiles and tunes
+    eagerly before a capture). The tensors are copied into the graph's buffers; the constants (hashable host values
+    the graph bakes in) are part of its key. ``opt`` holds the gradients between backward and step
+    (``held_grads`` / ``hold_grads``: ``parallel.zero.Replicated``)."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], model: nn.Module, opt, graphs: CudaGraphs):
         self.fn, self.model, self.opt, self.graphs = fn, model, opt, graphs
-        self.calls = 0
+        self.calls = 0   # calls in a row with the key of the last call
+        self.last_key = None
         self.failed: str | None = None   # why the capture failed: every call runs eagerly
         self.graph = None
         self.key = self.addresses = self.inputs = self.out = self.held = None
 
     def __call__(self, tensors: tuple[torch.Tensor, ...], consts: tuple[Hashable, ...] = ()) -> torch.Tensor:
-        self.calls += 1
+        key = (consts, tuple((t.shape, t.dtype, t.device) for t in tensors))
+        self.calls, self.last_key = (self.calls + 1 if key == self.last_key else 1), key
         if self.failed or self.calls <= WARMUP:
             return self.graphs.eager(lambda: self.fn(*tensors, *consts))
-        key = (consts, tuple((t.shape, t.dtype, t.device) for t in tensors))
         if self.graph is None or key != self.key or self._addresses() != self.addresses:
             self._capture(tensors, consts, key)
             if self.failed:
@@ -106,6 +120,7 @@ class GraphedStep:
             self.opt.zero_grad()   # what the failed capture left is not this step's
             return
         self.key, self.addresses, self.held = key, self._addresses(), self.opt.held_grads()
+        log.info("train.cuda_graph: captured the forward and backward; steps of the same shape replay them")
 
 
-__all__ = ["CudaGraphs", "GraphedStep", "WARMUP"]
+__all__ = ["MODES", "CudaGraphs", "GraphedStep", "WARMUP", "enabled"]

@@ -13,7 +13,7 @@ from checkpoint import CheckpointManager
 from configs.schema import Config
 from data import BlendedBatches, batch_size_at, tokenizer_files, use_offline_hub
 from parallel.collective_trace import CollectiveTrace, group_labels, step_from_env
-from parallel.cuda_graph import CudaGraphs, GraphedStep
+from parallel.cuda_graph import CudaGraphs, GraphedStep, enabled as cuda_graph_enabled
 from parallel.data_parallel import all_reduce_mean, all_reduce_sum_
 from parallel.dims import ParallelDims
 from parallel.fp8 import reuse_fp8_weights
@@ -106,12 +106,11 @@ class Trainer:
                                    cfg.parallel.zero_bucket_mb, self.pipe.grad_weight if self.pipe else None,
                                    weights=self.precision.weights)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
-        self.graphed = self._graphed_step() if t.cuda_graph else None
+        self.graphed = self._graphed_step()
         master = self.opt.master_weights()   # the FP32 truth of BF16 weights (None: the FP32 weights are)
         self.ema = ParamEMA(self.model if master is None else master, t.ema_decay) if t.ema_decay else None
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
-        # data.val_blend: val_sources holds the validation batches per source
-        self.batches, self.val, self.val_sources = open_data(cfg, self.dims, self.corpus)
+        self.batches, self.val, self.val_sources = open_data(cfg, self.dims, self.corpus)   # per data.val_blend source
         m = cfg.model
         self.health = HealthGuard(t.health, m.vocab_size, m.n_routed_experts / m.n_activated_experts
                                   if m.first_k_dense < m.n_layers else None) if t.health.enabled else None
@@ -127,8 +126,7 @@ class Trainer:
         self.stragglers = StragglerWatch(cfg.logging)
 
     def _open_checkpoints(self, cfg: Config) -> CheckpointManager:
-        """The run's ``CheckpointManager``. Before anything slow: an unwritable ``checkpoint.dir`` fails now (one
-        line), not at the first save; one outside the run dir is owned like the run dir."""
+        """The run's ``CheckpointManager``; an unwritable ``checkpoint.dir`` fails now, not at the first save."""
         ckpt = CheckpointManager(cfg.checkpoint.dir or self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  is_writer=self.dims.is_main, background=cfg.checkpoint.async_save,
                                  timeout_s=cfg.parallel.timeout_s)
@@ -454,9 +452,11 @@ class Trainer:
                     "tokens_per_s": step_tokens / dt, "bias_update_speed": gamma, "mtp_loss_weight": mtp_w,
                     "max_expert_load_over_mean": imbalance[0] if imbalance else 1.0, **self._after_step_metrics()}
 
-    def _graphed_step(self) -> GraphedStep:
-        """``train.cuda_graph``: ``forward_backward`` replayed from a CUDA graph, under an autocast without its
-        cache of cast weights (a cache filled during a capture would be read at replays)."""
+    def _graphed_step(self) -> GraphedStep | None:
+        """``train.cuda_graph`` (``parallel.cuda_graph.enabled``, else None): ``forward_backward`` from a CUDA graph,
+        under an autocast without its cache of cast weights (a capture's cache would be read at replays)."""
+        if not cuda_graph_enabled(self.cfg.train.cuda_graph, self.device, self.dims.world_size, self.precision.weights):
+            return None
         autocast = torch.autocast(self.device.type, dtype=self.precision.autocast or torch.bfloat16,
                                   enabled=self.precision.autocast is not None, cache_enabled=False)
         return GraphedStep(lambda ids, labels, mtp_w: self.forward_backward(ids, labels, mtp_w, autocast),
