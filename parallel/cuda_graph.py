@@ -37,14 +37,16 @@ WARMUP = 2   # eager steps of each key before its capture
 MODES = ("auto", "on", "off")   # train.cuda_graph
 
 
-def enabled(mode: str, device: torch.device | str, world_size: int, weights: str = "bf16") -> bool:
+def enabled(mode: str, device: torch.device | str, world_size: int, weights: str = "bf16",
+            recompute: str = "none") -> bool:
     """Whether ``train.cuda_graph=mode`` replays the step from a graph: with one process on CUDA (the config refuses
-    ``on`` anywhere else), ``auto`` with BF16 weights only. FP32 weights, the reference precision, stay eager: on
-    an H100 (torch 2.11) their routed experts copied from pageable host memory, which a capture refuses."""
+    ``on`` anywhere else); ``auto`` only as a GPU has run it, with BF16 weights and no recomputation. FP32 weights,
+    the reference precision, stay eager: on an H100 (torch 2.11) their routed experts copied from pageable host
+    memory, which a capture refuses. Recomputation inside a graph has not run on a GPU (``on`` tries it)."""
     if mode not in MODES:
         raise ValueError(f"train.cuda_graph: {mode!r} is not one of {', '.join(MODES)}")
     one_gpu = torch.device(device).type == "cuda" and world_size == 1
-    return one_gpu and (mode == "on" or (mode == "auto" and weights == "bf16"))
+    return one_gpu and (mode == "on" or (mode == "auto" and weights == "bf16" and recompute == "none"))
 
 
 class CudaGraphs:

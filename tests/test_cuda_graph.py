@@ -174,6 +174,7 @@ def test_auto_graphs_one_process_on_cuda_and_on_is_refused_elsewhere():
     assert enabled("auto", "cuda", 1) and enabled("on", torch.device("cuda"), 1) and enabled("on", "cuda", 1, "fp32")
     assert not enabled("auto", "cuda", 2) and not enabled("auto", "cpu", 1) and not enabled("off", "cuda", 1)
     assert not enabled("auto", "cuda", 1, "fp32")   # the reference precision stays eager
+    assert not enabled("auto", "cuda", 1, "bf16", "selective") and enabled("on", "cuda", 1, "bf16", "full")
     with pytest.raises(ValueError, match="train.cuda_graph: 'true' is not one of auto, on, off"):
         enabled("true", "cuda", 1)
     with pytest.raises(ConfigError, match="train.cuda_graph: 'yes' is not one of"):

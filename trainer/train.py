@@ -455,7 +455,8 @@ class Trainer:
     def _graphed_step(self) -> GraphedStep | None:
         """``train.cuda_graph`` (``parallel.cuda_graph.enabled``, else None): ``forward_backward`` from a CUDA graph,
         under an autocast without its cache of cast weights (a capture's cache would be read at replays)."""
-        if not cuda_graph_enabled(self.cfg.train.cuda_graph, self.device, self.dims.world_size, self.precision.weights):
+        t = self.cfg.train
+        if not cuda_graph_enabled(t.cuda_graph, self.device, self.dims.world_size, self.precision.weights, t.recompute):
             return None
         autocast = torch.autocast(self.device.type, dtype=self.precision.autocast or torch.bfloat16,
                                   enabled=self.precision.autocast is not None, cache_enabled=False)
