@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--append", action="store_true", help="keep the other parts of an existing report at --out")
     p.add_argument("--strict-targets", action="store_true", help="exit 1 if a target is not met")
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels (hydra & co.)")
+    p.add_argument("--trainer-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides for the trainer part's GPU runs (e.g. train.compile=off to bisect)")
     p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)   # developer check: CPU, tiny shapes
     return p
 

@@ -295,7 +295,9 @@ def part_trainer(ctx: Ctx, part: Part) -> None:
         if left < 20:
             run.error = "not run: time budget"
             continue
-        run_tiny(run, steps, ctx.tmp / "data_cache", env, timeout_s=left, cpu_threads=min(8, os.cpu_count() or 1))
+        extra = () if run.device == "cpu" else tuple(getattr(ctx.args, "trainer_overrides", None) or ())
+        run_tiny(run, steps, ctx.tmp / "data_cache", env, timeout_s=left, cpu_threads=min(8, os.cpu_count() or 1),
+                 extra=extra)
         print(f"  trainer {run.name}: {run.error or 'ok'} in {run.seconds:.0f} s", flush=True)
     ref = runs[0]
     rows, marks = [], []
@@ -321,6 +323,8 @@ def part_trainer(ctx: Ctx, part: Part) -> None:
     part.marks = marks
     part.tables.append(Table(["run", "steps", "loss step 1", f"mean last {tol.tail}", "tokens/s (median, after 5)",
                               "step-1 Δ", "max step Δ", f"last-{tol.tail} Δ", "vs CPU fp32", "wall s"], rows))
+    if getattr(ctx.args, "trainer_overrides", None):
+        part.notes.append(f"the GPU runs with `{' '.join(ctx.args.trainer_overrides)}`")
     part.notes.append(f"{steps} steps of `python -m trainer +exp=tiny` (batch 16 x 128 tokens), W&B disabled, no "
                       f"checkpoint; every run starts from the same weights (drawn on the CPU). Tolerances "
                       f"(relative): {gpu} fp32 step 1 <= {FP32_TOL.first_rel:.0e}, any step <= {FP32_TOL.step_rel:.0%}, "

@@ -2,9 +2,10 @@
 ``python -m bench.step_variants [--layers 12] [--variants A,C,D,E] [--deadline-s 300] [--json out.json]``.
 
 Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast),
-B compiled regions with torch's AdamW, C the trainer's step on CUDA (``train.compile=auto``, the Triton AdamW,
-BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16 moments became
-the default), G and H: C and D with their forward and backward replayed from a CUDA graph (``train.cuda_graph``).
+B compiled regions with torch's AdamW, C the trainer's settings on CUDA launched eagerly (``train.compile=auto``,
+the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16 moments became
+the default), G and H: C and D with their forward and backward replayed from a CUDA graph (``train.cuda_graph``,
+the trainer's default for G), I G at batch 8.
 All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time
 (a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU
 kernels of one profiled step, and with ``--host-profile N`` the N functions with the most own host time. Needs
@@ -26,6 +27,7 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
     "F": ("bf16, compiled, Triton AdamW, FP32 moments", "bf16", "auto", "auto", 4, "fp32", False),
     "G": ("C with its forward and backward as a CUDA graph", "bf16", "auto", "auto", 4, "auto", True),
     "H": ("D with its forward and backward as a CUDA graph", "fp8", "auto", "auto", 4, "auto", True),
+    "I": ("G at batch 8", "bf16", "auto", "auto", 8, "auto", True),
 }
 
 

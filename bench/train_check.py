@@ -145,9 +145,12 @@ def tiny_overrides(steps: int, precision: str, device: str, run_dir: Path, cache
             f"data.cache_dir={cache_dir}"]
 
 
-def run_tiny(run: TinyRun, steps: int, cache_dir: Path, env: dict, timeout_s: float, cpu_threads: int = 8) -> TinyRun:
-    """Run the tiny trainer once (subprocess); fills ``run`` from its exit code and ``metrics.jsonl``."""
-    cmd = [sys.executable, "-m", "trainer", *tiny_overrides(steps, run.precision, run.device, run.run_dir, cache_dir)]
+def run_tiny(run: TinyRun, steps: int, cache_dir: Path, env: dict, timeout_s: float, cpu_threads: int = 8,
+             extra: tuple[str, ...] = ()) -> TinyRun:
+    """Run the tiny trainer once (subprocess, with the ``extra`` overrides); fills ``run`` from its exit code and
+    ``metrics.jsonl``."""
+    cmd = [sys.executable, "-m", "trainer", *tiny_overrides(steps, run.precision, run.device, run.run_dir, cache_dir),
+           *extra]
     env = dict(env, HYDRA_FULL_ERROR="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     if run.device == "cpu":
         env.update(OMP_NUM_THREADS=str(cpu_threads), MKL_NUM_THREADS=str(cpu_threads))

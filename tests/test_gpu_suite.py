@@ -249,18 +249,25 @@ def test_compare_losses_accepts_noise_and_rejects_breakage():
 
 def test_trainer_part_marks_from_runs(tmp_path, monkeypatch):
     """part_trainer with the subprocess replaced: the CUDA fp32 run tracks the CPU run within the tight
-    fp32 tolerance, bf16 within the loose one, the fp8 run does not train."""
-    def fake_run(run, steps, cache_dir, env, timeout_s, cpu_threads=8):
+    fp32 tolerance, bf16 within the loose one, the fp8 run does not train. ``--trainer-overrides`` reach the GPU
+    runs only."""
+    extras = {}
+
+    def fake_run(run, steps, cache_dir, env, timeout_s, cpu_threads=8, extra=()):
+        extras[run.name] = extra
         fp32 = REF if run.device == "cpu" else [v * (1 + 2e-5) for v in REF]
         run.losses = {"fp32": fp32, "bf16": [v * 1.008 for v in REF], "fp8": [REF[0]] * 40}[run.precision][:steps]
         run.tokens_per_s, run.seconds, run.returncode = 1000.0, 1.0, 0
         return run
     monkeypatch.setattr(tc, "run_tiny", fake_run)
     monkeypatch.setattr(gsp, "hydra_path", lambda ctx: (True, None, ""))
-    ctx = gs.Ctx(gs.build_parser().parse_args(["--out", "x"]), tmp_path, 0.0, None)
+    ctx = gs.Ctx(gs.build_parser().parse_args(["--out", "x", "--trainer-overrides", "train.compile=off"]), tmp_path,
+                 0.0, None)
     part = Part("trainer", gs.TITLES["trainer"])
     gsp.part_trainer(ctx, part)
     part.finish()
+    assert extras == {"cpu fp32": (), **{f"cuda {p}": ("train.compile=off",) for p in ("fp32", "bf16", "fp8")}}
+    assert "the GPU runs with `train.compile=off`" in part.notes
     assert [m.met for m in part.marks] == [True, True, False] and part.status == "failed"
     assert [r[0] for r in part.tables[0].rows] == ["cpu fp32", "cuda fp32", "cuda bf16", "cuda fp8"]
     assert part.tables[0].rows[1][8] == part.tables[0].rows[2][8] == "ok"
