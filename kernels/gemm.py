@@ -55,11 +55,12 @@ POINTER_CONFIG = {**BASE, **VARIANTS["pointers"]}
 @triton.jit
 def round_output(acc, c_ptr):
     """``acc`` in the dtype of ``*c_ptr``. For BF16, RNE onto the BF16 grid in integer ops first, so the
-    final cast is exact (the interpreter's own FP32->BF16 cast drops mantissa carries)."""
+    final cast is exact (the interpreter's own FP32->BF16 cast drops mantissa carries). A NaN is kept as it is:
+    its mantissa would carry into the sign (CUDA's NaN 0x7FFFFFFF became -0.0, hiding a diverged step)."""
     if c_ptr.dtype.element_ty == tl.bfloat16:
         bits = acc.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = bits.to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        acc = tl.where(acc != acc, acc, rounded)
     return acc.to(c_ptr.dtype.element_ty)
 
 

@@ -242,6 +242,22 @@ def test_gemm_bf16_output_is_rounded_fp32_result(path):
                      out32.to(torch.bfloat16).view(torch.int16).float())
 
 
+def test_bf16_output_keeps_cudas_nan():
+    """A NaN accumulator (CUDA's own NaN, 0x7FFFFFFF, from a NaN scale here) stays NaN in a BF16 output, in each of
+    the three GEMMs; the rounding's carry once made it -0.0, hiding a diverged step. The other rows are finite."""
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32).to(DEV)
+    tpe = torch.tensor([130, 0, 70], device=DEV)
+    a, sa = ref.quant_act(rand(200, 384, seed=4))
+    b, sb = ref.quant_weight(rand(136, 384, seed=5))
+    bg, sbg = ref.quant_weight(rand(3, 136, 384, seed=6))
+    at, sat = tquant.quant_act_t(rand(200, 136, seed=7), tpe)
+    bt, sbt = tquant.quant_act_t(rand(200, 384, seed=8), tpe)
+    sa[0, 0], sat[0, 0] = nan[0], nan[0]
+    for out in (tgemm.gemm(a, sa, b, sb, torch.bfloat16), tgrouped.grouped_gemm(a, sa, bg, sbg, tpe, torch.bfloat16),
+                tgrouped.grouped_wgrad(at, sat, bt, sbt, tpe, torch.bfloat16)[0]):
+        assert out.dtype == torch.bfloat16 and out[0].isnan().all() and out[1:].isfinite().all()
+
+
 def test_load_path_choice():
     """TMA exactly when both operands are K-contiguous with 16-byte-aligned base and row strides."""
     q = tquant.quant_act(rand(64, 256))[0]
