@@ -235,11 +235,20 @@ def test_gemm_layouts_match_reference(layout, shape, path):
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_gemm_bf16_output_is_rounded_fp32_result(path):
+    """BF16 outputs are the FP32 results cast (round to nearest even), bit for bit: dense, grouped and grouped
+    Wgrad (which writes a BF16 weight's gradient directly)."""
     a, sa = ref.quant_act(rand(200, 384, seed=4))
     b, sb = ref.quant_weight(rand(136, 384, seed=5))
-    out32 = tgemm.gemm(a, sa, b, sb, torch.float32, config=PATHS[path])
-    assert_bit_exact(tgemm.gemm(a, sa, b, sb, torch.bfloat16, config=PATHS[path]).view(torch.int16).float(),
-                     out32.to(torch.bfloat16).view(torch.int16).float())
+    tpe = torch.tensor([130, 0, 70], device=DEV)
+    bg, sbg = ref.quant_weight(rand(3, 136, 384, seed=6))
+    at, sat = tquant.quant_act_t(rand(200, 136, seed=7), tpe)
+    bt, sbt = tquant.quant_act_t(rand(200, 384, seed=8), tpe)
+    cfg = PATHS[path]
+    for op in (lambda dt: tgemm.gemm(a, sa, b, sb, dt, config=cfg),
+               lambda dt: tgrouped.grouped_gemm(a, sa, bg, sbg, tpe, dt, config=cfg),
+               lambda dt: tgrouped.grouped_wgrad(at, sat, bt, sbt, tpe, dt, config=cfg)):
+        assert_bit_exact(op(torch.bfloat16).view(torch.int16).float(),
+                         op(torch.float32).to(torch.bfloat16).view(torch.int16).float())
 
 
 def test_bf16_output_keeps_cudas_nan():
