@@ -75,7 +75,7 @@ def launches() -> list[Launch]:
 
     kernels = [quant._cast_kernel, quant._quant_act_kernel, quant._quant_act_t_kernel, quant._quant_weight_kernel,
                gemm._gemm_kernel, grouped_gemm._grouped_gemm_kernel, grouped_gemm._grouped_wgrad_kernel,
-               _adamw_kernels._adamw_kernel, quant._quant_act_both_kernel]
+               _adamw_kernels._adamw_kernel, quant._quant_act_both_kernel, quant._transpose_kernel]
     out, name = [], [""]
 
     def meta(*shape, dtype=torch.bfloat16):

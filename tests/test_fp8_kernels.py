@@ -138,6 +138,16 @@ def test_quant_act_both_small_and_empty_shapes(shape, counts):
             assert_bit_exact(g, w)
 
 
+@pytest.mark.parametrize("shape", [(3, 200, 328), (136, 264), (2, 0, 128), (1, 129, 1)])
+def test_transpose_fp8_is_torchs_copy_bit_for_bit(shape):
+    """The Dgrad operand ``q.mT`` contiguous from the tile-transpose kernel: ragged 3-D and 2-D weights, empty and
+    one-column ones; on a GPU the kernel's self-check passes (else torch's copy would run)."""
+    q = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(2), dtype=torch.uint8).to(DEV)
+    t = tquant.transpose_fp8(q.view(FP8))
+    assert t.dtype == FP8 and t.is_contiguous() and torch.equal(t.view(torch.uint8), q.mT.contiguous())
+    assert tquant.transpose_self_check(torch.device(DEV)) == 0.0
+
+
 def test_tile_tables_are_memoised_per_counts_tensor_and_version():
     """The grouped kernels' tile table is computed once per counts tensor (forward and backward of a MoE layer
     share it); an in-place change of the counts, or other rows or block, makes a new, correct one."""

@@ -41,7 +41,7 @@ def test_hopper_compile_gate():
     from kernels import _adamw_kernels, gemm, grouped_gemm, quant
     defined = {name for mod in (quant, gemm, grouped_gemm, _adamw_kernels) for name, obj in vars(mod).items()
                if name.endswith("_kernel") and hasattr(obj, "fn")}          # @triton.jit (or interpreted)
-    assert len(defined) == 9 and defined <= {r["kernel"] for r in reports}, defined
+    assert len(defined) == 10 and defined <= {r["kernel"] for r in reports}, defined
     assert not broken(reports, lambda f: "does not compile" in f)
     launched = " ".join(r["name"] for r in reports)
     for use in ("gemm fprop", "gemm dgrad", "gemm wgrad", "grouped fprop", "grouped dgrad", "grouped wgrad"):
