@@ -126,7 +126,8 @@ class TrainConfig:
     # | on | off
     compile: str = "auto"
     # The step's forward and backward replayed as one CUDA graph after two eager steps (parallel/cuda_graph.py): the
-    # host launches them with one call. auto (on with one process on CUDA) | on (the same, refused elsewhere) | off
+    # host launches them with one call. auto (one process on CUDA, BF16 weights, no recomputation: what a GPU has run)
+    # | on (FP32 weights and recomputation too; refused without CUDA or with more processes) | off
     cuda_graph: str = "auto"
     device: str = "auto"              # auto (cuda if available) | cpu | cuda
     eval_every: int = 50              # validation every N steps (and before the first / after the last); 0 = only those
