@@ -41,8 +41,9 @@ def enabled(mode: str, device: torch.device | str, world_size: int, weights: str
             recompute: str = "none") -> bool:
     """Whether ``train.cuda_graph=mode`` replays the step from a graph: with one process on CUDA (the config refuses
     ``on`` anywhere else); ``auto`` only as a GPU has run it, with BF16 weights and no recomputation. FP32 weights,
-    the reference precision, stay eager: on an H100 (torch 2.11) their routed experts copied from pageable host
-    memory, which a capture refuses. Recomputation inside a graph has not run on a GPU (``on`` tries it)."""
+    the reference precision, stay eager: torch's CUDA ``_grouped_mm`` has its CUTLASS kernel for BF16 only, and its
+    fallback for other dtypes copies the group offsets to the host, which a capture refuses (an H100, torch 2.11).
+    Recomputation inside a graph has not run on a GPU (``on`` tries it)."""
     if mode not in MODES:
         raise ValueError(f"train.cuda_graph: {mode!r} is not one of {', '.join(MODES)}")
     one_gpu = torch.device(device).type == "cuda" and world_size == 1
