@@ -3,18 +3,21 @@
 
 Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast),
 B compiled regions with torch's AdamW, C the trainer's settings on CUDA launched eagerly (``train.compile=auto``,
-the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16 moments became
-the default), G and H: C and D with their forward and backward replayed from a CUDA graph (``train.cuda_graph``,
-the trainer's default for G), I G at batch 8.
-All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time
-(a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU
-kernels of one profiled step, and with ``--host-profile N`` the N functions with the most own host time. Needs
+the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16
+moments became the default), G and H: C and D with their forward and backward replayed from a CUDA graph
+(``train.cuda_graph``, the trainer's default for G), I G at batch 8, J H with ``quant_act_both`` (opt-in until
+timed). All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
+(``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose host
+time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
+profiled step, and with ``--host-profile N`` the N functions with the most own host time. Needs
 CUDA (and omegaconf for the presets: the carried wheels).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 
@@ -28,7 +31,24 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
     "G": ("C with its forward and backward as a CUDA graph", "bf16", "auto", "auto", 4, "auto", True),
     "H": ("D with its forward and backward as a CUDA graph", "fp8", "auto", "auto", 4, "auto", True),
     "I": ("G at batch 8", "bf16", "auto", "auto", 8, "auto", True),
+    "J": ("H with one quantiser launch for both copies (DSV3_FUSED_QUANT=1)", "fp8", "auto", "auto", 4, "auto", True),
 }
+ENV = {"J": {"DSV3_FUSED_QUANT": "1"}}   # environment of a variant (kernels.quant.FUSED_ENV), restored after it
+
+
+@contextlib.contextmanager
+def variant_env(key: str):
+    """The variant's environment (``ENV``) while inside; the earlier values back after."""
+    saved = {k: os.environ.get(k) for k in ENV.get(key, {})}
+    os.environ.update(ENV.get(key, {}))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def line(key: str, r: dict) -> list[str]:
@@ -65,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key} {label}: not run (deadline)")
             continue
         try:
-            res[key] = measure_step_fitting(cfg, precision, batch, 2048, "cuda", iters=4 if batch == 4 else 2,
-                                            profile=batch == 4, head_loss="fused", compile=compile_mode, adamw=adamw,
-                                            host_profile=args.host_profile, moments=moments, cuda_graph=graph)
+            with variant_env(key):
+                res[key] = measure_step_fitting(cfg, precision, batch, 2048, "cuda", iters=4 if batch == 4 else 2,
+                                                profile=batch == 4, head_loss="fused", compile=compile_mode,
+                                                adamw=adamw, host_profile=args.host_profile, moments=moments,
+                                                cuda_graph=graph)
             print("\n".join(line(key, res[key])), flush=True)
             if res[key]["host_profile"]:
                 print(res[key]["host_profile"], flush=True)
