@@ -37,17 +37,33 @@ WARMUP = 2   # eager steps of each key before its capture
 MODES = ("auto", "on", "off")   # train.cuda_graph
 
 
-def enabled(mode: str, device: torch.device | str, world_size: int, weights: str = "bf16",
-            recompute: str = "none") -> bool:
-    """Whether ``train.cuda_graph=mode`` replays the step from a graph: with one process on CUDA (the config refuses
-    ``on`` anywhere else); ``auto`` only as a GPU has run it, with BF16 weights and no recomputation. FP32 weights,
-    the reference precision, stay eager: torch's CUDA ``_grouped_mm`` has its CUTLASS kernel for BF16 only, and its
-    fallback for other dtypes copies the group offsets to the host, which a capture refuses (an H100, torch 2.11).
-    Recomputation inside a graph has not run on a GPU (``on`` tries it)."""
+def why_eager(mode: str, device: torch.device | str, world_size: int, weights: str = "bf16",
+              recompute: str = "none") -> str | None:
+    """None when ``train.cuda_graph=mode`` replays the step from a graph, else why the steps run eagerly. A graph
+    needs one process on CUDA (the config refuses ``on`` anywhere else); ``auto`` graphs only what a GPU has run,
+    BF16 weights without recomputation. FP32 weights, the reference precision, stay eager: torch's CUDA
+    ``_grouped_mm`` has its CUTLASS kernel for BF16 only, and its fallback for other dtypes copies the group
+    offsets to the host, which a capture refuses (an H100, torch 2.11). Recomputation inside a graph has not run on
+    a GPU (``on`` tries it)."""
     if mode not in MODES:
         raise ValueError(f"train.cuda_graph: {mode!r} is not one of {', '.join(MODES)}")
-    one_gpu = torch.device(device).type == "cuda" and world_size == 1
-    return one_gpu and (mode == "on" or (mode == "auto" and weights == "bf16" and recompute == "none"))
+    if torch.device(device).type != "cuda":
+        return "not on CUDA"
+    if world_size > 1:
+        return f"{world_size} processes"
+    if mode == "off":
+        return "train.cuda_graph=off"
+    if mode == "auto" and weights != "bf16":
+        return "FP32 weights"
+    if mode == "auto" and recompute != "none":
+        return f"train.recompute={recompute}"
+    return None
+
+
+def enabled(mode: str, device: torch.device | str, world_size: int, weights: str = "bf16",
+            recompute: str = "none") -> bool:
+    """Whether ``train.cuda_graph=mode`` replays the step from a graph (``why_eager`` says why not)."""
+    return why_eager(mode, device, world_size, weights, recompute) is None
 
 
 class CudaGraphs:
@@ -126,4 +142,4 @@ class GraphedStep:
         log.info("train.cuda_graph: captured the forward and backward; steps of the same shape replay them")
 
 
-__all__ = ["MODES", "CudaGraphs", "GraphedStep", "WARMUP", "enabled"]
+__all__ = ["MODES", "CudaGraphs", "GraphedStep", "WARMUP", "enabled", "why_eager"]

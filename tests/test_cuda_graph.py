@@ -234,3 +234,20 @@ def test_cuda_graph_trains_the_tiny_model_as_eager_on_cuda(compile_regions):
     eager, graphed = run(False), run(True)
     for e, g in zip(eager, graphed):
         assert abs(e - g) <= 1e-3 * abs(e), (eager, graphed)
+
+
+def test_the_layout_line_says_whether_the_step_is_graphed_and_why_not():
+    from types import SimpleNamespace as NS
+
+    from trainer.startup import graph_note
+
+    def trainer(mode="auto", world=1, weights="bf16", recompute="none", graphed=None, device="cuda"):
+        return NS(cfg=NS(train=NS(cuda_graph=mode, recompute=recompute)), dims=NS(world_size=world),
+                  precision=NS(weights=weights), graphed=graphed, device=torch.device(device))
+    assert graph_note(trainer(device="cpu")) == ""
+    assert graph_note(trainer(graphed=object())) == \
+        f"; forward and backward replayed from a CUDA graph after {WARMUP} eager steps"
+    assert graph_note(trainer(weights="fp32")) == "; eager steps, no CUDA graph (FP32 weights)"
+    assert graph_note(trainer(world=4)) == "; eager steps, no CUDA graph (4 processes)"
+    assert graph_note(trainer(mode="off")) == "; eager steps, no CUDA graph (train.cuda_graph=off)"
+    assert graph_note(trainer(recompute="selective")) == "; eager steps, no CUDA graph (train.recompute=selective)"

@@ -11,6 +11,7 @@ from configs.schema import Config
 from data import (BlendedBatches, PackedBatches, batch_size_at, blend_val_batches, carried_tokenizer, find_eos_id,
                   load_corpus, load_tokenizer, micro_batches, val_batches, vocab_difference)
 from errors import ConfigError
+from parallel.cuda_graph import WARMUP, why_eager
 from parallel.dims import ParallelDims
 from parallel.parallelize import ParallelSpec, parallelize
 from parallel.precision import Precision
@@ -174,6 +175,17 @@ def _overlap_note(p, pipe) -> str:
     return " (F&B overlap off" + (": ep = 1, no expert all-to-all to hide)" if p.overlap else ")")
 
 
+def graph_note(trainer) -> str:
+    """On CUDA: whether the forward and backward replay from a CUDA graph (``train.cuda_graph``), or why not."""
+    t = trainer.cfg.train
+    if trainer.device.type != "cuda":
+        return ""
+    if trainer.graphed is not None:
+        return f"; forward and backward replayed from a CUDA graph after {WARMUP} eager steps"
+    why = why_eager(t.cuda_graph, trainer.device, trainer.dims.world_size, trainer.precision.weights, t.recompute)
+    return f"; eager steps, no CUDA graph ({why})"
+
+
 def startup_lines(trainer) -> list[str]:
     """What a cluster log needs first: run dir and resolved config, layout, parameter counts, data. Rank 0
     also writes the resolved config and the tokenizer (``<run dir>/tokenizer/``) into the run dir (they travel
@@ -192,7 +204,7 @@ def startup_lines(trainer) -> list[str]:
     lines = [f"run dir {run_dir} (resolved config: {run_dir / 'config.yaml'})",
              f"layout: {d.world_size} rank(s) = pp {d.pp} x dp {d.dp} (ep {d.ep}, expert-dp {d.edp}); schedule "
              f"{p.schedule}{_overlap_note(p, trainer.pipe) if d.pp > 1 else ''}; zero {p.zero}; precision {c.train.precision}; "
-             f"device {trainer.device}",
+             f"device {trainer.device}{graph_note(trainer)}",
              f"model: {n.total / 1e6:,.1f}M parameters, {n.activated / 1e6:,.1f}M activated per token, MTP "
              f"{n.mtp / 1e6:,.1f}M; {c.model.n_layers} layers, {c.model.n_routed_experts} routed experts"]
     if d.ep > 1:
