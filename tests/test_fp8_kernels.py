@@ -243,37 +243,37 @@ def test_gemm_layouts_match_reference(layout, shape, path):
     assert ((out - exact).norm() / exact.norm()) < 0.05          # FP8 quantisation error, ~0.036
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_gemm_bf16_output_is_rounded_fp32_result(path):
-    """BF16 outputs are the FP32 results cast (round to nearest even), bit for bit: dense, grouped and grouped
-    Wgrad (which writes a BF16 weight's gradient directly)."""
+def three_gemms(a_scale=None, at_scale=None):
+    """``out(dtype, config)`` of the dense GEMM, the grouped GEMM and the grouped Wgrad on small ragged operands
+    (``a_scale`` / ``at_scale``: a value for the first scale of the dense/grouped input and of the Wgrad's)."""
+    tpe = torch.tensor([130, 0, 70], device=DEV)
     a, sa = ref.quant_act(rand(200, 384, seed=4))
     b, sb = ref.quant_weight(rand(136, 384, seed=5))
-    tpe = torch.tensor([130, 0, 70], device=DEV)
     bg, sbg = ref.quant_weight(rand(3, 136, 384, seed=6))
     at, sat = tquant.quant_act_t(rand(200, 136, seed=7), tpe)
     bt, sbt = tquant.quant_act_t(rand(200, 384, seed=8), tpe)
-    cfg = PATHS[path]
-    for op in (lambda dt: tgemm.gemm(a, sa, b, sb, dt, config=cfg),
-               lambda dt: tgrouped.grouped_gemm(a, sa, bg, sbg, tpe, dt, config=cfg),
-               lambda dt: tgrouped.grouped_wgrad(at, sat, bt, sbt, tpe, dt, config=cfg)):
-        assert_bit_exact(op(torch.bfloat16).view(torch.int16).float(),
-                         op(torch.float32).to(torch.bfloat16).view(torch.int16).float())
+    if a_scale is not None:
+        sa[0, 0], sat[0, 0] = a_scale, at_scale
+    return (lambda dt, cfg=None: tgemm.gemm(a, sa, b, sb, dt, config=cfg),
+            lambda dt, cfg=None: tgrouped.grouped_gemm(a, sa, bg, sbg, tpe, dt, config=cfg),
+            lambda dt, cfg=None: tgrouped.grouped_wgrad(at, sat, bt, sbt, tpe, dt, config=cfg)[0])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_gemm_bf16_output_is_rounded_fp32_result(path):
+    """BF16 outputs are the FP32 results cast (round to nearest even), bit for bit: dense, grouped and grouped
+    Wgrad."""
+    for op in three_gemms():
+        assert_bit_exact(op(torch.bfloat16, PATHS[path]).view(torch.int16).float(),
+                         op(torch.float32, PATHS[path]).to(torch.bfloat16).view(torch.int16).float())
 
 
 def test_bf16_output_keeps_cudas_nan():
     """A NaN accumulator (CUDA's own NaN, 0x7FFFFFFF, from a NaN scale here) stays NaN in a BF16 output, in each of
     the three GEMMs; the rounding's carry once made it -0.0, hiding a diverged step. The other rows are finite."""
-    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32).to(DEV)
-    tpe = torch.tensor([130, 0, 70], device=DEV)
-    a, sa = ref.quant_act(rand(200, 384, seed=4))
-    b, sb = ref.quant_weight(rand(136, 384, seed=5))
-    bg, sbg = ref.quant_weight(rand(3, 136, 384, seed=6))
-    at, sat = tquant.quant_act_t(rand(200, 136, seed=7), tpe)
-    bt, sbt = tquant.quant_act_t(rand(200, 384, seed=8), tpe)
-    sa[0, 0], sat[0, 0] = nan[0], nan[0]
-    for out in (tgemm.gemm(a, sa, b, sb, torch.bfloat16), tgrouped.grouped_gemm(a, sa, bg, sbg, tpe, torch.bfloat16),
-                tgrouped.grouped_wgrad(at, sat, bt, sbt, tpe, torch.bfloat16)[0]):
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32).to(DEV)[0]
+    for op in three_gemms(nan, nan):
+        out = op(torch.bfloat16)
         assert out.dtype == torch.bfloat16 and out[0].isnan().all() and out[1:].isfinite().all()
 
 
