@@ -23,12 +23,37 @@ from .layers import MLP, SwiGLU
 from .steps import Cut, LocalLink, Steps, carrying, drive
 
 
+def select_experts(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, n_groups: int, group_topk: int,
+                   n_limited: int, topk: int, route_scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate after its GEMM: sigmoid scores, node-limited top-k on ``score + bias``, the chosen experts'
+    unbiased scores normalised to sum 1 and scaled. One chain of elementwise work and top-k's, so that a
+    transform may run it as one compiled region (``parallel/compile.py``).
+
+    Returns ``(topk_idx [T,K] int64, topk_weight [T,K], scores [T,E])`` in ``logits_TE``'s dtype.
+    """
+    scores_TE = logits_TE.sigmoid()
+    biased_TE = scores_TE.detach() + expert_bias_E
+    if n_limited < n_groups:
+        T = logits_TE.shape[0]
+        biased_TGe = biased_TE.view(T, n_groups, -1)
+        group_score_TG = biased_TGe.topk(group_topk, dim=-1)[0].sum(-1)
+        keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_score_TG.topk(n_limited, dim=-1)[1], True)
+        biased_TE = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+    topk_idx_TK = biased_TE.topk(topk, dim=-1)[1]
+    w_TK = scores_TE.gather(1, topk_idx_TK)
+    w_TK = w_TK / w_TK.sum(-1, keepdim=True) * route_scale
+    return topk_idx_TK, w_TK, scores_TE
+
+
 class Gate(nn.Module):
-    """Sigmoid router with node-limited top-k selection.
+    """Sigmoid router with node-limited top-k selection (``select_experts``), in FP32.
 
     Selection uses ``score + expert_bias``; the gate values are the *unbiased* scores of the chosen
     experts, normalised to sum 1 and multiplied by ``route_scale``.
     """
+    select = staticmethod(select_experts)   # everything after the GEMM (a transform may compile it)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -43,20 +68,12 @@ class Gate(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns ``(topk_idx [T,K] int64, topk_weight [T,K] fp32, scores [T,E] fp32)``."""
-        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
-        biased_TE = scores_TE.detach() + self.expert_bias
-        if self.n_limited < self.n_groups:
-            T = x_TD.shape[0]
-            group_score_TG = biased_TE.view(T, self.n_groups, -1).topk(self.group_topk, dim=-1)[0].sum(-1)
-            keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
-            keep_TG.scatter_(1, group_score_TG.topk(self.n_limited, dim=-1)[1], True)
-            keep_TE = keep_TG.repeat_interleave(self.n_experts // self.n_groups, dim=1)
-            biased_TE = biased_TE.masked_fill(~keep_TE, float("-inf"))
-        topk_idx_TK = biased_TE.topk(self.topk, dim=-1)[1]
-        w_TK = scores_TE.gather(1, topk_idx_TK)
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True) * self.route_scale
-        return topk_idx_TK, w_TK, scores_TE
+        """Returns ``(topk_idx [T,K] int64, topk_weight [T,K] fp32, scores [T,E] fp32)``, in FP32 under a BF16
+        autocast too (which would run the GEMM in BF16)."""
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        return self.select(logits_TE, self.expert_bias, self.n_groups, self.group_topk, self.n_limited, self.topk,
+                           self.route_scale)
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
@@ -163,23 +180,30 @@ class LocalDispatcher:
         return self.combine(y_RD, (order_R, w_TK))
 
 
-def sequence_balance_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) -> torch.Tensor:
-    """Complementary sequence-wise balance loss (without alpha), averaged over sequences.
+def balance_and_load(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complementary sequence-wise balance loss (without alpha), averaged over sequences, and the routed copies
+    per expert ``[E]`` (FP32, exact integers), from one count. A transform may run it as one compiled region.
 
     ``L = sum_i f_i * P_i`` per sequence, with ``f_i = E/(K*T) * #tokens choosing i`` and
     ``P_i = mean_t s'_{i,t}``, ``s'`` = scores normalised over all experts per token.
     """
     B, T, E = scores_BTE.shape
     K = topk_idx_BTK.shape[-1]
-    with torch.no_grad():
-        counts_BE = torch.zeros(B, E, device=scores_BTE.device).scatter_add_(
-            1, topk_idx_BTK.reshape(B, T * K), torch.ones(B, T * K, device=scores_BTE.device))
-        f_BE = counts_BE * (E / (K * T))
+    ones = torch.ones(B, T * K, dtype=torch.float32, device=scores_BTE.device)
+    counts_BE = torch.zeros(B, E, device=scores_BTE.device).scatter_add_(1, topk_idx_BTK.reshape(B, T * K), ones)
+    f_BE = counts_BE * (E / (K * T))
     p_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).mean(1)
-    return (f_BE * p_BE).sum(-1).mean()
+    return (f_BE * p_BE).sum(-1).mean(), counts_BE.sum(0)
+
+
+def sequence_balance_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) -> torch.Tensor:
+    """The complementary sequence-wise balance loss alone (``balance_and_load``)."""
+    return balance_and_load(scores_BTE, topk_idx_BTK)[0]
 
 
 class MoE(nn.Module):
+    balance_terms = staticmethod(balance_and_load)   # balance loss and load (a transform may compile it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts = cfg.n_routed_experts
@@ -210,9 +234,9 @@ class MoE(nn.Module):
         sequence-wise balance loss (also kept as ``self.aux_loss``). None otherwise."""
         if not self.training:
             return None
-        self.aux_loss = sequence_balance_loss(scores_BTE, topk_idx_BTK)
+        self.aux_loss, load_E = self.balance_terms(scores_BTE, topk_idx_BTK)
         with torch.no_grad():
-            self.tokens_per_expert += expert_counts(topk_idx_BTK, self.n_experts)
+            self.tokens_per_expert += load_E
         return self.aux_loss
 
     def post_combine(self, y_TD: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:

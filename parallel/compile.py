@@ -3,8 +3,11 @@ chains as generated kernels, the rest of the forward as written.
 
 Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
-(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers) and each
-attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``).
+(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
+attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``),
+each router's selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert
+top-k's, normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each MoE layer's
+balance loss and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
 In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
 region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
@@ -32,7 +35,7 @@ from torch import nn
 
 from models.attention import MLA
 from models.layers import RMSNorm, SwiGLU, rms_norm, rope_heads, swiglu
-from models.moe import LocalDispatcher, MoE, unsort_and_weight
+from models.moe import LocalDispatcher, MoE, balance_and_load, select_experts, unsort_and_weight
 
 log = logging.getLogger("parallel")
 
@@ -86,7 +89,8 @@ FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
 
 class Region:
     """A function run as a compiled region (``region(fn, backend)``, looked up at each call), for the places
-    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``rope_heads``."""
+    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``rope_heads``, the
+    router's ``select``, the MoE layer's ``balance_terms``."""
 
     def __init__(self, fn: Callable, backend: str):
         self.fn, self.backend = fn, backend
@@ -105,7 +109,8 @@ def _weighing(m: nn.Module) -> bool:
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
     its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the MoE combines'
-    ``weigh`` and the attentions' ``rope_heads``, in place. Returns the compiled modules' (and functions') names.
+    ``weigh``, the attentions' ``rope_heads``, the routers' ``select`` and the MoE layers' ``balance_terms``, in
+    place. Returns the compiled modules' (and functions') names.
     Idempotent."""
     classes: dict[tuple[type, str], type] = {}
     names = []
@@ -116,6 +121,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
         if isinstance(m, MLA):
             m.rope_heads = Region(rope_heads, backend)
             names.append(f"{name}.rope_heads")
+        if isinstance(m, MoE):
+            m.gate.select = Region(select_experts, backend)
+            m.balance_terms = Region(balance_and_load, backend)
+            names += [f"{name}.gate.select", f"{name}.balance_terms"]
         if getattr(type(m), "compiled_from", None) is not None:   # compiled before (maybe recomputed since)
             names.append(name)
             continue
@@ -133,11 +142,14 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
 
 
 def compiled(model: nn.Module) -> list[str]:
-    """The names of ``model``'s compiled modules (and dispatchers' ``weigh``, attentions' ``rope_heads``)."""
+    """The names of ``model``'s compiled modules and functions (``apply_compile``)."""
     return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None] + \
         [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
          if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)] + \
-        [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m.__dict__.get("rope_heads"), Region)]
+        [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m.__dict__.get("rope_heads"), Region)] + \
+        [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)
+         for attr, owner in (("gate.select", m.gate), ("balance_terms", m))
+         if isinstance(owner.__dict__.get(attr.rsplit(".", 1)[-1]), Region)]
 
 
 __all__ = ["MODES", "Region", "apply_compile", "compiled", "enabled", "region"]

@@ -18,7 +18,8 @@ from parallel.recompute import apply_recompute, regions
 from .trainer_utils import make_config
 
 IDS = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
-REGIONS = 33 + 4 + 5   # the tiny model's norms and SwiGLUs, MoE combines, attentions (4 blocks and the MTP's)
+REGIONS = 33 + 3 * 4 + 5   # the tiny model's norms and SwiGLUs, its 4 MoE layers' combines, routers and balance
+                           # terms, its attentions (4 blocks and the MTP's)
 
 
 def tiny():
@@ -54,7 +55,8 @@ def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
     model = tiny()
     keys = list(model.state_dict())
     want = sorted([n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU))] +
-                  [f"{n}.dispatcher.weigh" for n, m in model.named_modules() if isinstance(m, MoE)] +
+                  [f"{n}.{f}" for n, m in model.named_modules() if isinstance(m, MoE)
+                   for f in ("dispatcher.weigh", "gate.select", "balance_terms")] +
                   [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m, MLA)])
     names = apply_compile(model, backend="aot_eager")
     assert sorted(names) == want == sorted(compiled(model)) and len(want) == REGIONS
@@ -152,3 +154,26 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
         check(swiglu, x, torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype))
         order = torch.randperm(rows, generator=g, device="cuda")          # rows = T * K copies, K = 8
         check(unsort_and_weight, x, order, torch.rand(rows // 8, 8, generator=g, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
+def test_inductor_router_regions_on_cuda_equal_eager():
+    """The router's selection (three top-k's in the generated code) and balance terms under inductor vs eager:
+    the same experts for (nearly) every token, gate weights, scores and gradients to FP32 rounding."""
+    from models.moe import balance_and_load, select_experts
+    from parallel.compile import region
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(8192, 64, generator=g, device="cuda")
+    bias = 0.01 * torch.randn(64, generator=g, device="cuda")
+    args = (bias, 8, 2, 4, 8, 2.5)                     # v3_small: 8 groups, 4 of them per token, 8 experts
+    ref, got = (logits.clone().requires_grad_(True) for _ in range(2))
+    (i0, w0, s0), (i1, w1, s1) = select_experts(ref, *args), region(select_experts, "inductor")(got, *args)
+    assert (i0 == i1).all(-1).float().mean().item() > 0.999
+    same = (i0 == i1).all(-1)
+    dw = torch.randn(w0.shape, generator=g, device="cuda")
+    (l0, c0), (l1, c1) = (f(s.view(4, 2048, 64), i.view(4, 2048, 8))
+                          for f, s, i in ((balance_and_load, s0, i0), (region(balance_and_load, "inductor"), s1, i1)))
+    assert torch.equal(c0, c1) == bool(same.all()) and abs(l0.item() - l1.item()) < 1e-5 * abs(l0.item())
+    ((w0 * dw).sum() + l0).backward(), ((w1 * dw).sum() + l1).backward()
+    for a, b in ((w0[same], w1[same]), (s0, s1), (ref.grad[same], got.grad[same])):
+        assert ((a - b).norm() / a.norm()).item() < 1e-5

@@ -65,6 +65,20 @@ def test_gates_sum_to_route_scale():
         torch.testing.assert_close(w.sum(-1), torch.full((100,), scale))
 
 
+def test_gate_is_fp32_under_a_bf16_autocast():
+    """The router keeps FP32 (DeepSeek-V3 keeps its gating in higher precision): a BF16 autocast around it changes
+    nothing, though it would run a plain ``F.linear`` in BF16."""
+    gate = make_gate(n_routed_experts=64, n_expert_groups=8, n_limited_groups=4, n_activated_experts=8)
+    x = torch.randn(256, 32).bfloat16()
+    want = gate(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gate(x)
+        assert F.linear(x.float(), gate.weight.float()).dtype == torch.bfloat16   # what the gate must not do
+    assert got[1].dtype == got[2].dtype == torch.float32
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
 def test_bias_update_sign_rule():
     moe = MoE(ModelConfig(dim=32, n_routed_experts=4, n_activated_experts=2))
     moe.gate.expert_bias.copy_(torch.tensor([0.1, 0.2, 0.3, 0.4]))

@@ -330,12 +330,17 @@ def fused_cross_entropy(recorder: Recorder):
         head_loss.cross_entropy = original
 
 
+# Ops inductor leaves to torch's own kernels inside a region (``topk``: unless ``decompose_sort_ops``).
+REGION_EXTERN = {"aten.topk"} | GEMM
+
+
 class _CompiledRegion(torch.autograd.Function):
     """A ``parallel/compile.py`` region as inductor runs it: one generated kernel forward (reads the inputs,
     writes the output), one backward (reads the inputs and the output's gradient, writes the inputs' gradients)
     plus one reduction per gradient that the eager backward sums into (a norm's weight, a MoE gate, a rope key
     shared by the heads). Its aten ops run unrecorded: the region's cost is its memory traffic, not the sum of
-    its eager ops."""
+    its eager ops; except the forward's ``REGION_EXTERN`` ops, which run as torch's kernels (recorded as
+    themselves) and split the generated code: one more generated kernel after each."""
 
     @staticmethod
     def forward(ctx, fn, recorder, *inputs):
@@ -343,21 +348,31 @@ class _CompiledRegion(torch.autograd.Function):
         ctx.grads = ctx.needs_input_grad[2:]
         ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
         ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inputs]
-        out = fn(*inputs)
+        externs: list[tuple] = []
+        with _paused(recorder, externs=externs):
+            out = fn(*inputs)
         recorder.record("compiled region forward", None, [t for t in inputs if isinstance(t, torch.Tensor)], {}, out, 0.0)
+        for name, packet, args, kwargs, result in externs:
+            Recorder.record(recorder, name, packet, args, kwargs, result)   # past the caller's pause
+            recorder.record("compiled region forward", None, (), {}, (), 0.0)   # the generated kernel after it
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, *douts):
         saved = iter(ctx.saved_tensors)
         inputs = [next(saved).detach() if o is None else o for o in ctx.others]
         tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
         wrt = [t.requires_grad_(True) for t, g in zip(inputs, ctx.grads) if g]   # what needed a gradient
         sums: list[tuple] = []   # the shapes the eager backward sums into
         with torch.enable_grad(), _paused(ctx.recorder, sums):
-            grads = dict(zip(map(id, wrt), torch.autograd.grad(ctx.fn(*inputs), wrt, dout, allow_unused=True)))
+            outs = ctx.fn(*inputs)
+            pairs = [(o, d) for o, d in zip(outs if isinstance(outs, tuple) else (outs,), douts)
+                     if d is not None and o.requires_grad]          # the outputs a gradient reached
+            grads = dict(zip(map(id, wrt), torch.autograd.grad([o for o, _ in pairs], wrt, [d for _, d in pairs],
+                                                               allow_unused=True)))
         grads = {k: g for k, g in grads.items() if g is not None}
-        ctx.recorder.record("compiled region backward", None, (*tensors, dout), {}, list(grads.values()), 0.0)
+        ctx.recorder.record("compiled region backward", None, (*tensors, *[d for _, d in pairs]), {},
+                            list(grads.values()), 0.0)
         for g in grads.values():
             if _squeezed(g.shape) in sums:   # a reduced gradient (a norm's weight, a gate, a key shared by the heads)
                 ctx.recorder.record("compiled region backward", None, (), {}, g, 0.0)
@@ -395,9 +410,9 @@ def _squeezed(shape) -> tuple:
 
 
 @contextlib.contextmanager
-def _paused(recorder: Recorder, sums: list | None = None):
+def _paused(recorder: Recorder, sums: list | None = None, externs: list | None = None):
     """The recorder's dispatch hook off (the fused op records itself; ``new_empty`` is no kernel anyway); the
-    output shapes of the reductions that run meanwhile go to ``sums``."""
+    output shapes of the reductions that run meanwhile go to ``sums``, the ``REGION_EXTERN`` ops to ``externs``."""
     saved = recorder.record
 
     def record(name, packet, args, kwargs, out, *rest, **kw):
@@ -405,6 +420,8 @@ def _paused(recorder: Recorder, sums: list | None = None):
             return saved(name, packet, args, kwargs, out, *rest, **kw)
         if sums is not None and name in REDUCTIONS and isinstance(out, torch.Tensor):
             sums.append(_squeezed(out.shape))
+        if externs is not None and name in REGION_EXTERN:
+            externs.append((name, packet, args, kwargs, out))
     recorder.record = record
     try:
         yield
