@@ -18,8 +18,8 @@ from parallel.recompute import apply_recompute, regions
 from .trainer_utils import make_config
 
 IDS = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
-REGIONS = 33 + 3 * 4 + 5   # the tiny model's norms and SwiGLUs, its 4 MoE layers' combines, routers and balance
-                           # terms, its attentions (4 blocks and the MTP's)
+REGIONS = 33 + 3 * 4 + 2 * 5   # the tiny model's norms and SwiGLUs, its 4 MoE layers' combines, routers and
+                               # balance terms, its 5 attentions' query and key/value heads (4 blocks, the MTP's)
 
 
 def tiny():
@@ -57,7 +57,8 @@ def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
     want = sorted([n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU))] +
                   [f"{n}.{f}" for n, m in model.named_modules() if isinstance(m, MoE)
                    for f in ("dispatcher.weigh", "gate.select", "balance_terms")] +
-                  [f"{n}.rope_heads" for n, m in model.named_modules() if isinstance(m, MLA)])
+                  [f"{n}.{f}" for n, m in model.named_modules() if isinstance(m, MLA)
+                   for f in ("query_heads", "kv_heads")])
     names = apply_compile(model, backend="aot_eager")
     assert sorted(names) == want == sorted(compiled(model)) and len(want) == REGIONS
     assert apply_compile(model, backend="aot_eager") == names          # idempotent: no class of a class
@@ -124,29 +125,35 @@ def _norm(x, w):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_regions_on_cuda_equal_eager(dtype):
-    """Inductor's kernels for the four regions vs eager: FP32 to rounding, BF16 within one BF16 rounding (inductor
-    keeps the norm's FP32 statistics in registers)."""
-    from models.layers import rope_heads, swiglu
+    """Inductor's kernels for the norm, SwiGLU, combine and attention-heads regions vs eager: FP32 to rounding,
+    BF16 within one BF16 rounding (inductor keeps the norm's FP32 statistics in registers)."""
+    from models.attention import key_value_heads, query_heads
+    from models.layers import swiglu
     from models.moe import unsort_and_weight
     from parallel.compile import region
     g = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
 
     def check(fn, *inputs):
-        ref_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
-        got_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        def fresh():
+            return [t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                    for t in inputs]
+        ref_in, got_in = fresh(), fresh()
         want, got = fn(*ref_in), region(fn, "inductor")(*got_in)
-        dy = torch.randn(want.shape, generator=g, device="cuda", dtype=dtype)
-        want.backward(dy), got.backward(dy)
-        grads = [(r.grad, c.grad) for r, c in zip(ref_in, got_in) if r.is_floating_point()]
-        for a, b in [(want, got)] + grads:
+        want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+        dys = [torch.randn(w.shape, generator=g, device="cuda", dtype=dtype) for w in want]
+        torch.autograd.backward(want, dys), torch.autograd.backward(got, dys)
+        grads = [(r.grad, c.grad) for r, c in zip(ref_in, got_in)
+                 if isinstance(r, torch.Tensor) and r.is_floating_point()]
+        for a, b in list(zip(want, got)) + grads:
             err = ((a.float() - b.float()).norm() / a.float().norm()).item()
             assert err < tol, (fn.__name__, dtype, err)
 
-    for heads in (16, 1):              # a query (a rope part per head), a key (one rope part for every head)
-        nope = torch.randn(2, 16, 512, 128, generator=g, device="cuda", dtype=dtype)
-        cos, sin = (torch.randn(512, 32, generator=g, device="cuda") for _ in range(2))
-        check(rope_heads, nope, torch.randn(2, heads, 512, 64, generator=g, device="cuda", dtype=dtype), cos, sin)
+    cos, sin = (torch.randn(512, 16, generator=g, device="cuda") for _ in range(2))   # [T, R/2]
+    # v3_small's heads: 16 x (nope 64 + rope 32) queries, 16 x (nope 64 + value 64) keys/values, one 32-dim rope key
+    check(query_heads, torch.randn(2, 512, 16 * 96, generator=g, device="cuda", dtype=dtype), cos, sin, 16, 64)
+    check(key_value_heads, torch.randn(2, 512, 16 * 128, generator=g, device="cuda", dtype=dtype),
+          torch.randn(2, 512, 32, generator=g, device="cuda", dtype=dtype), cos, sin, 16, 64)
     for rows in (8192, 1000):          # a new row count, as the routed experts see every step
         x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype)
         w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(dtype)
