@@ -12,6 +12,7 @@ G groups, R = T*K routed token copies, F expert intermediate size.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -70,7 +71,8 @@ class Gate(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(topk_idx [T,K] int64, topk_weight [T,K] fp32, scores [T,E] fp32)``, in FP32 under a BF16
         autocast too (which would run the GEMM in BF16)."""
-        with torch.autocast(x_TD.device.type, enabled=False):
+        device = x_TD.device.type
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         return self.select(logits_TE, self.expert_bias, self.n_groups, self.group_topk, self.n_limited, self.topk,
                            self.route_scale)
