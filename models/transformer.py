@@ -173,27 +173,31 @@ def span_steps(cfg: ModelConfig, input_ids_BT: torch.Tensor, labels_BT: torch.Te
     """A contiguous part of the model as steps: the embedding of ``input_ids`` (``embed``) or the hidden
     states ``x``, then ``blocks``, then with ``tail`` the loss (``head_loss_steps``). The whole model is
     one span; a pipeline stage is another. Returns ``(out, parts, aux)``: the hidden states and None, or
-    the loss and ``(lm, mtp)``; ``aux`` is the sum of the blocks' balance losses (None outside training)."""
+    the loss and ``(lm, mtp)``; ``aux`` is the sum of the blocks' balance losses (None outside training).
+    A span with the embedding and MTP modules that read the same table hands them its embeddings (carried over the
+    cuts) instead of a second lookup: one embedding backward, no sum of two vocabulary-sized gradients."""
     h = embed(input_ids_BT) if embed is not None else x_BTD
+    emb = h if embed is not None and tail is not None and len(tail.mtp) and tail.embed is embed else None
     rope = rope_cos_sin(cfg, input_ids_BT.shape[1], input_ids_BT.device)
     aux = None
     for block in blocks:
-        h, aux = yield from block.steps(h, rope, aux)
+        (h, aux), (emb,) = yield from carrying(block.steps(h, rope, aux), (emb,))
     if tail is None:
         return h, None, aux
     loss, lm_loss, mtp_loss, aux = yield from head_loss_steps(h, input_ids_BT, labels_BT, mtp_weight, aux,
-                                                              cfg=cfg, tail=tail)
+                                                              cfg=cfg, tail=tail, emb_BTD=emb)
     return loss, (lm_loss, mtp_loss), aux
 
 
 def head_loss_steps(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, mtp_weight: float,
-                    aux: torch.Tensor | None = None, *, cfg: ModelConfig, tail: Tail) -> Steps:
+                    aux: torch.Tensor | None = None, *, cfg: ModelConfig, tail: Tail,
+                    emb_BTD: torch.Tensor | None = None) -> Steps:
     """LM loss from the main model's final residual stream, plus the MTP modules' losses, as steps.
 
-    MTP depth k uses positions ``i < T-k``: it sees ``Emb(input_ids[:, i+k])`` and predicts
-    ``labels[:, i+k]`` (the token k+1 steps ahead of position i). Returns ``(lm + mtp_weight * mtp,
-    lm, mtp, aux)`` where ``mtp`` is the mean cross-entropy over the depths (0 without MTP) and ``aux``
-    has the MTP blocks' balance losses added.
+    MTP depth k uses positions ``i < T-k``: it sees ``Emb(input_ids[:, i+k])`` (``emb_BTD[:, k:]`` when given:
+    ``tail.embed(input_ids)``, already looked up) and predicts ``labels[:, i+k]`` (the token k+1 steps ahead of
+    position i). Returns ``(lm + mtp_weight * mtp, lm, mtp, aux)`` where ``mtp`` is the mean cross-entropy over
+    the depths (0 without MTP) and ``aux`` has the MTP blocks' balance losses added.
     """
     lm_loss = head_ce(tail.head, tail.norm(h_BTD), labels_BT)
     T = input_ids_BT.shape[1]
@@ -203,8 +207,9 @@ def head_loss_steps(h_BTD: torch.Tensor, input_ids_BT: torch.Tensor, labels_BT: 
         if T - k <= 0:
             break
         rope = rope_cos_sin(cfg, T - k, h.device)
-        module_steps = module.steps(h[:, :T - k], tail.embed(input_ids_BT[:, k:]), rope, aux)
-        (h, aux), (lm_loss, *mtp_losses) = yield from carrying(module_steps, (lm_loss, *mtp_losses))
+        emb_k = emb_BTD[:, k:] if emb_BTD is not None else tail.embed(input_ids_BT[:, k:])
+        module_steps = module.steps(h[:, :T - k], emb_k, rope, aux)
+        (h, aux), (lm_loss, emb_BTD, *mtp_losses) = yield from carrying(module_steps, (lm_loss, emb_BTD, *mtp_losses))
         mtp_losses.append(head_ce(tail.head, module.norm(h), labels_BT[:, k:]))
     if not mtp_losses:
         return lm_loss, lm_loss, lm_loss.new_zeros(()), aux

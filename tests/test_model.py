@@ -61,6 +61,33 @@ def test_mtp_loss_definition():
     assert model.mtp[1].eh_proj.weight.grad.abs().sum() > 0
 
 
+def test_mtp_reads_the_main_models_embeddings_from_one_lookup():
+    """The MTP modules read the embeddings the main model looked up (one lookup, one embedding backward): the
+    loss and gradients of a lookup per depth."""
+    import copy
+    from models.layers import rope_cos_sin
+    F = torch.nn.functional
+    cfg = ModelConfig(mtp_depth=2, n_layers=2)
+    model = build(cfg).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    inputs, labels, T = ids[:, :-1], ids[:, 1:], 16
+    lookups = []
+    model.embed.register_forward_hook(lambda m, i, o: lookups.append(tuple(o.shape)))
+    model.compute_loss(inputs, labels, mtp_weight=0.3).loss.backward()
+    assert lookups == [(2, T, cfg.dim)]
+    h = ref.hidden(inputs)
+    loss, ce = F.cross_entropy(ref.head(ref.norm(h)).flatten(0, 1), labels.flatten()), []
+    for k, mod in enumerate(ref.mtp, start=1):
+        h = mod(h[:, :T - k], ref.embed(inputs[:, k:]), rope_cos_sin(cfg, T - k, h.device))
+        ce.append(F.cross_entropy(ref.head(mod.norm(h)).flatten(0, 1), labels[:, k:].flatten()))
+    (loss + 0.3 * torch.stack(ce).mean()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_initial_loss_is_about_ln_vocab():
     cfg = ModelConfig()
     model = build(cfg).eval()
