@@ -203,6 +203,18 @@ def sequence_balance_loss(scores_BTE: torch.Tensor, topk_idx_BTK: torch.Tensor) 
     return balance_and_load(scores_BTE, topk_idx_BTK)[0]
 
 
+@torch.no_grad()
+def update_biases(moes: list["MoE"], load_LE: torch.Tensor, gamma: float) -> None:
+    """Aux-loss-free balancing, sign rule: ``b_i += gamma * sign(mean_load - load_i)`` for each layer of
+    ``moes`` at once (a few launches, not a few per layer); row l of ``load_LE`` is layer l's token count per
+    expert over the whole global batch."""
+    if not moes:
+        return
+    load_LE = load_LE.to(moes[0].gate.expert_bias)
+    step_LE = gamma * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+    torch._foreach_add_([m.gate.expert_bias for m in moes], list(step_LE.unbind(0)))
+
+
 class MoE(nn.Module):
     balance_terms = staticmethod(balance_and_load)   # balance loss and load (a transform may compile it)
 
@@ -245,14 +257,10 @@ class MoE(nn.Module):
         """The combined routed output plus the shared experts' output on the layer input."""
         return y_TD if self.shared_experts is None else y_TD + self.shared_experts(x_TD)
 
-    @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor, gamma: float) -> None:
-        """Aux-loss-free balancing, sign rule: ``b_i += gamma * sign(mean_load - load_i)``.
-
-        ``load_E`` is the step's token count per expert over the whole global batch.
-        """
-        load_E = load_E.to(self.gate.expert_bias)
-        self.gate.expert_bias.add_(gamma * torch.sign(load_E.mean() - load_E))
+        """Aux-loss-free balancing of this layer (``update_biases``); ``load_E`` is the step's token count per
+        expert over the whole global batch."""
+        update_biases([self], load_E.unsqueeze(0), gamma)
 
     def init_weights(self, std: float) -> None:
         self.gate.init_weights(std)

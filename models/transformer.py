@@ -17,7 +17,7 @@ from torch import nn
 from .attention import MLA
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, rope_cos_sin
-from .moe import MoE
+from .moe import MoE, update_biases
 from .steps import Steps, carrying, drive
 
 
@@ -122,12 +122,18 @@ class DeepSeekV3(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
-    def update_expert_bias(self, gamma: float) -> None:
-        """One device's aux-loss-free bias update: each MoE layer from its own load since the last update, whose
-        counter then restarts (the trainer sums the loads over the data-parallel ranks first)."""
-        for moe in self.moe_layers():
-            moe.update_bias(moe.tokens_per_expert.clone(), gamma)
-            moe.tokens_per_expert.zero_()
+    def update_expert_bias(self, gamma: float, load_LE: torch.Tensor | None = None) -> None:
+        """Aux-loss-free bias update of every MoE layer (``update_biases``) from its load since the last update:
+        ``load_LE``, one row per layer of ``moe_layers`` (the trainer's sum over the data-parallel ranks), or this
+        device's own counts. The counters then restart."""
+        moes = self.moe_layers()
+        if moes:
+            update_biases(moes, self.expert_loads() if load_LE is None else load_LE, gamma)
+            torch._foreach_zero_([m.tokens_per_expert for m in moes])
+
+    def expert_loads(self) -> torch.Tensor:
+        """This device's routed copies per expert since the last bias update, ``[MoE layers, E]`` (a copy)."""
+        return torch.stack([m.tokens_per_expert for m in self.moe_layers()])
 
     # ---- initialisation --------------------------------------------------------------------------
     @torch.no_grad()

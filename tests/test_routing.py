@@ -86,6 +86,19 @@ def test_bias_update_sign_rule():
     torch.testing.assert_close(moe.gate.expert_bias, torch.tensor([0.09, 0.21, 0.3, 0.4]))
 
 
+def test_bias_update_of_every_layer_at_once_is_each_layers_sign_rule():
+    from models.moe import update_biases
+    g = torch.Generator().manual_seed(0)
+    moes = [MoE(ModelConfig(dim=32, n_routed_experts=8, n_activated_experts=2)) for _ in range(3)]
+    for m in moes:
+        m.gate.expert_bias.copy_(torch.randn(8, generator=g))
+    load = torch.randint(0, 50, (3, 8), generator=g).float()
+    want = [m.gate.expert_bias + 1e-3 * torch.sign(row.mean() - row) for m, row in zip(moes, load)]
+    update_biases(moes, load, 1e-3)
+    for m, w in zip(moes, want):
+        assert torch.equal(m.gate.expert_bias, w)
+
+
 def test_sequence_balance_loss_hand_computed():
     scores = torch.tensor([[[0.8, 0.4, 0.4, 0.4], [0.1, 0.1, 0.6, 0.2]]])
     idx = torch.tensor([[[0, 1], [2, 0]]])

@@ -546,15 +546,13 @@ class Trainer:
     @torch.no_grad()
     def update_expert_bias(self, gamma: float) -> list[torch.Tensor]:
         """Sign-rule bias update from this step's expert load (whole global batch); resets the counters."""
-        loads = []
         if self.pipe is not None:   # DualPipe twins each counted their own direction's micro-batches
             self.pipe.sum_replica_loads({n: b for n, b in self.model.named_buffers() if n.endswith("tokens_per_expert")})
-        for moe in self.model.moe_layers():
-            load = all_reduce_sum_(moe.tokens_per_expert.clone(), self.dims)   # global batch, all dp ranks
-            moe.update_bias(load, gamma)
-            moe.tokens_per_expert.zero_()
-            loads.append(load)
-        return loads
+        if not self.model.moe_layers():
+            return []
+        loads = all_reduce_sum_(self.model.expert_loads(), self.dims)   # the global batch: one collective
+        self.model.update_expert_bias(gamma, loads)
+        return list(loads.unbind(0))
 
     def validate(self, step: int) -> float:
         """Validation loss over all of ``self.val`` (logged); with data.val_blend also per source."""
