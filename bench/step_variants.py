@@ -34,9 +34,10 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
     "J": ("H with one quantiser launch for both copies (DSV3_FUSED_QUANT=1)", "fp8", "auto", "auto", 4, "auto", True),
     "K": ("H with the weights' Dgrad copies from the transpose kernel (DSV3_FP8_TRANSPOSE=1)", "fp8", "auto", "auto",
           4, "auto", True),
+    "L": ("G with the regions no GPU has run yet (DSV3_COMPILE_UNVERIFIED=1)", "bf16", "auto", "auto", 4, "auto", True),
 }
-# Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV), restored after it
-ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "1"}}
+# Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.UNVERIFIED_ENV), restored after it
+ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "1"}, "L": {"DSV3_COMPILE_UNVERIFIED": "1"}}
 
 
 @contextlib.contextmanager

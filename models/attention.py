@@ -6,8 +6,8 @@ The two up-projection paths are methods (``q_up``, ``kv_up``: latent -> the atte
 ``core`` runs them and the attention from the latents to wo's input, so that a transform can recompute them
 in backward (``parallel/recompute.py``). What runs between an up-projection's GEMM and the attention (the heads'
 layout, the rotation, the concatenation) is one function each (``query_heads``, ``key_value_heads``), so that a
-transform can run it as one compiled region (``parallel/compile.py``) whose backward writes the GEMM's output
-gradient in one pass.
+transform can run the rotation (``rope_heads``) or the whole of it as one compiled region (``parallel/compile.py``);
+whole, its backward writes the GEMM's output gradient in one pass.
 Shape legend: B batch, T sequence, D hidden, H heads, R rope dim, N nope dim, V value dim, L latent rank,
 C a projection's output (latent, or latent + rope).
 """
@@ -21,28 +21,33 @@ from .config import ModelConfig
 from .layers import RMSNorm, rope_heads, yarn_mscale
 
 
-def query_heads(q_BTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, nope: int) -> torch.Tensor:
+def query_heads(q_BTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, nope: int,
+                rotate=rope_heads) -> torch.Tensor:
     """Queries ``[B,H,T,N+R]`` from the query up-projection's output ``[B,T,H*(N+R)]``: each head's last R dims
-    rotated (``rope_heads``)."""
+    rotated and concatenated by ``rotate`` (``rope_heads``, or a compiled region of it)."""
     B, T, _ = q_BTC.shape
     q = q_BTC.view(B, T, n_heads, -1).transpose(1, 2)
-    return rope_heads(q[..., :nope], q[..., nope:], cos, sin)
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
+    return rotate(q_nope, q_pe, cos, sin)
 
 
 def key_value_heads(kv_BTC: torch.Tensor, k_pe_BTR: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                    nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    nope: int, rotate=rope_heads) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from the key/value up-projection's output ``[B,T,H*(N+V)]``
-    and the one shared rope key ``[B,T,R]`` (rotated, appended to every head). The values are a copy, not a view
-    of the input: a compiled region's backward then writes both gradients into the input's in one pass."""
+    and the one shared rope key ``[B,T,R]`` (rotated by ``rotate``, appended to every head). The values are a copy,
+    not a view of the input: compiled as one region, its backward then writes both gradients into the input's in
+    one pass."""
     B, T, _ = kv_BTC.shape
-    kv = kv_BTC.view(B, T, n_heads, -1).transpose(1, 2)
-    return rope_heads(kv[..., :nope], k_pe_BTR.unsqueeze(1), cos, sin), kv[..., nope:].contiguous()
+    k_nope, v = kv_BTC.view(B, T, n_heads, -1).transpose(1, 2).split([nope, kv_BTC.shape[-1] // n_heads - nope], -1)
+    return rotate(k_nope, k_pe_BTR.unsqueeze(1), cos, sin), v.contiguous()
 
 
 class MLA(nn.Module):
-    # What runs between each up-projection and the attention (a transform may compile them).
+    # What runs between each up-projection and the attention, and the rotation inside it (a transform may
+    # compile either the rotation or the whole of each).
     query_heads = staticmethod(query_heads)
     kv_heads = staticmethod(key_value_heads)
+    rope_heads = staticmethod(rope_heads)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -81,10 +86,11 @@ class MLA(nn.Module):
         """Queries ``[B,H,T,N+R]`` for the attention core from the query latent (q_norm, then the wq_b
         up-projection) or, without ``q_lora_rank``, from wq's output; rope on the last R dims of each head."""
         q = self.wq_b(self.q_norm(q_BTC)) if hasattr(self, "wq_b") else q_BTC
-        return self.query_heads(q, *rope, self.n_heads, self.nope)
+        return self.query_heads(q, *rope, self.n_heads, self.nope, self.rope_heads)
 
     def kv_up(self, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from wkv_a's output ``[B,T,L+R]``: the latent through
         kv_norm and the wkv_b up-projection, and the one shared rope key (rotated) appended to every head."""
         kv_BTL, k_pe_BTR = kv_BTC.split([self.kv_lora_rank, self.rope], dim=-1)
-        return self.kv_heads(self.wkv_b(self.kv_norm(kv_BTL)), k_pe_BTR, *rope, self.n_heads, self.nope)
+        return self.kv_heads(self.wkv_b(self.kv_norm(kv_BTL)), k_pe_BTR, *rope, self.n_heads, self.nope,
+                             self.rope_heads)

@@ -3,12 +3,14 @@ chains as generated kernels, the rest of the forward as written.
 
 Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
-(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
-attention's query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
-``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``),
-each router's selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert
-top-k's, normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each MoE layer's
-balance loss and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
+(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers) and each
+attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``).
+Regions no GPU has run yet are opt-in (``DSV3_COMPILE_UNVERIFIED=1``, or ``apply_compile(unverified=True)``):
+each attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
+``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``, in place of the
+rotation alone), each router's selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid,
+group and expert top-k's, normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each
+MoE layer's balance loss and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
 In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
 region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
@@ -29,18 +31,20 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Callable
 
 import torch
 from torch import nn
 
 from models.attention import MLA, key_value_heads, query_heads
-from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
+from models.layers import RMSNorm, SwiGLU, rms_norm, rope_heads, swiglu
 from models.moe import LocalDispatcher, MoE, balance_and_load, select_experts, unsort_and_weight
 
 log = logging.getLogger("parallel")
 
 MODES = ("auto", "on", "off")   # train.compile
+UNVERIFIED_ENV = "DSV3_COMPILE_UNVERIFIED"   # "1": also the regions no GPU has run yet (module doc)
 # Graphs a region may keep (dynamo's recompile limit, 8 by default): a norm sees 3 widths (model, q and kv latents),
 # BF16 and FP32 inputs, training and no-grad evaluation, and batch shapes; past the limit dynamo runs it eagerly.
 RECOMPILE_LIMIT = 64
@@ -90,8 +94,8 @@ FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
 
 class Region:
     """A function run as a compiled region (``region(fn, backend)``, looked up at each call), for the places
-    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``query_heads`` and
-    ``kv_heads``, the router's ``select``, the MoE layer's ``balance_terms``."""
+    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``rope_heads`` (or
+    ``query_heads`` and ``kv_heads``), the router's ``select``, the MoE layer's ``balance_terms``."""
 
     def __init__(self, fn: Callable, backend: str):
         self.fn, self.backend = fn, backend
@@ -107,21 +111,27 @@ def _weighing(m: nn.Module) -> bool:
     return isinstance(m, MoE) and isinstance(m.dispatcher, (LocalDispatcher, AllToAllDispatcher))
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
+def apply_compile(model: nn.Module, backend: str = "inductor", unverified: bool | None = None) -> list[str]:
     """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
     its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the MoE combines'
-    ``weigh``, the attentions' ``query_heads`` and ``kv_heads``, the routers' ``select`` and the MoE layers'
-    ``balance_terms``, in place. Returns the compiled modules' (and functions') names. Idempotent."""
+    ``weigh`` and the attentions' ``rope_heads``, in place; with ``unverified`` (default: ``UNVERIFIED_ENV=1``)
+    the attentions' whole ``query_heads`` and ``kv_heads`` instead of ``rope_heads``, the routers' ``select`` and
+    the MoE layers' ``balance_terms`` too. Returns the compiled modules' (and functions') names. Idempotent."""
+    if unverified is None:
+        unverified = os.environ.get(UNVERIFIED_ENV) == "1"
     classes: dict[tuple[type, str], type] = {}
     names = []
     for name, m in model.named_modules():
         if _weighing(m):
             m.dispatcher.weigh = Region(unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
-        if isinstance(m, MLA):
+        if isinstance(m, MLA) and unverified:
             m.query_heads, m.kv_heads = Region(query_heads, backend), Region(key_value_heads, backend)
             names += [f"{name}.query_heads", f"{name}.kv_heads"]
-        if isinstance(m, MoE):
+        elif isinstance(m, MLA):
+            m.rope_heads = Region(rope_heads, backend)
+            names.append(f"{name}.rope_heads")
+        if isinstance(m, MoE) and unverified:
             m.gate.select = Region(select_experts, backend)
             m.balance_terms = Region(balance_and_load, backend)
             names += [f"{name}.gate.select", f"{name}.balance_terms"]
@@ -146,11 +156,11 @@ def compiled(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None] + \
         [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
          if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)] + \
-        [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MLA) for attr in ("query_heads", "kv_heads")
-         if isinstance(m.__dict__.get(attr), Region)] + \
+        [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MLA)
+         for attr in ("query_heads", "kv_heads", "rope_heads") if isinstance(m.__dict__.get(attr), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)
          for attr, owner in (("gate.select", m.gate), ("balance_terms", m))
          if isinstance(owner.__dict__.get(attr.rsplit(".", 1)[-1]), Region)]
 
 
-__all__ = ["MODES", "Region", "apply_compile", "compiled", "enabled", "region"]
+__all__ = ["MODES", "UNVERIFIED_ENV", "Region", "apply_compile", "compiled", "enabled", "region"]

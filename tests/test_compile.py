@@ -20,6 +20,7 @@ from .trainer_utils import make_config
 IDS = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
 REGIONS = 33 + 3 * 4 + 2 * 5   # the tiny model's norms and SwiGLUs, its 4 MoE layers' combines, routers and
                                # balance terms, its 5 attentions' query and key/value heads (4 blocks, the MTP's)
+VERIFIED = 33 + 4 + 5          # without the regions no GPU has run: combines, and each attention's rotation only
 
 
 def tiny():
@@ -59,17 +60,32 @@ def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
                    for f in ("dispatcher.weigh", "gate.select", "balance_terms")] +
                   [f"{n}.{f}" for n, m in model.named_modules() if isinstance(m, MLA)
                    for f in ("query_heads", "kv_heads")])
-    names = apply_compile(model, backend="aot_eager")
+    names = apply_compile(model, backend="aot_eager", unverified=True)
     assert sorted(names) == want == sorted(compiled(model)) and len(want) == REGIONS
-    assert apply_compile(model, backend="aot_eager") == names          # idempotent: no class of a class
+    assert apply_compile(model, backend="aot_eager", unverified=True) == names   # idempotent: no class of a class
     assert type(model.norm).__name__ == "CompiledRMSNorm" and type(model.norm).__mro__[1] is RMSNorm
     assert list(model.state_dict()) == keys
+
+
+def test_regions_no_gpu_has_run_are_opt_in(monkeypatch):
+    """By default an attention's rotation alone is a region, and the router stays eager; ``UNVERIFIED_ENV=1``
+    opts in as ``unverified=True`` does. Either way the step equals eager."""
+    from parallel.compile import UNVERIFIED_ENV
+    model = tiny()
+    monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    comp = copy.deepcopy(model)
+    names = apply_compile(comp, backend="aot_eager")
+    assert len(names) == VERIFIED and sum(n.endswith(".rope_heads") for n in names) == 5
+    assert not any(n.endswith(("select", "balance_terms", "query_heads", "kv_heads")) for n in names)
+    assert_same(loss_and_grads(model), loss_and_grads(comp))
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
+    assert len(apply_compile(tiny(), backend="aot_eager")) == REGIONS
 
 
 def test_compiled_step_equals_eager():
     model = tiny()
     comp = copy.deepcopy(model)
-    apply_compile(comp, backend="aot_eager")
+    apply_compile(comp, backend="aot_eager", unverified=True)
     assert_same(loss_and_grads(model), loss_and_grads(comp))
     # a second step (other shapes reuse the graphs or add one; the values still match)
     model.zero_grad(), comp.zero_grad()
@@ -80,11 +96,11 @@ def test_compiled_regions_recompute():
     """Compile before recompute (``parallel.parallelize``'s order): the regions are compiled and recomputed."""
     model = tiny()
     ref = loss_and_grads(copy.deepcopy(model))
-    apply_compile(model, backend="aot_eager")
+    apply_compile(model, backend="aot_eager", unverified=True)
     done = apply_recompute(model, "selective")
     assert done == regions(model) and any(r.endswith("ffn_norm.forward") for r in done)
     assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm"
-    assert len(apply_compile(model, backend="aot_eager")) == REGIONS     # again: nothing undone
+    assert len(apply_compile(model, backend="aot_eager", unverified=True)) == REGIONS   # again: nothing undone
     assert type(model.norm).__name__ == "RecomputedCompiledRMSNorm" and regions(model) == done
     assert len(compiled(model)) == REGIONS
     assert_same(ref, loss_and_grads(model))

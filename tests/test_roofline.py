@@ -1,7 +1,5 @@
 """The CPU-side roofline of a training step (``tools/roofline.py``): exact counts on a case computed by hand, and
 the v3_small step against the H100 measurements it must reproduce."""
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,11 +119,13 @@ def test_each_head_loss_reproduces_its_measured_step(head_loss):
     assert bool(fused and sum(loss_ops[k].calls for k in fused) == 4) == (head_loss == "fused"), fused  # 2 heads, fwd+bwd
 
 
-def test_compiled_regions_are_one_kernel_each_way():
+def test_compiled_regions_are_one_kernel_each_way(monkeypatch):
     """``train.compile``: each norm, SwiGLU product, MoE combine and rotation is one fused kernel each way (plus
     the reductions its weights need), reading inputs and writing its output once; each router's selection and
     balance terms too, except that the selection's top-k's run as torch's kernels, each followed by one more
     generated kernel; nothing else changes."""
+    from parallel.compile import UNVERIFIED_ENV
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")   # the regions no GPU has run too
     eager, _ = record_step(compose(["+exp=tiny", "train.precision=bf16", "train.compile=off"]))
     comp, mcfg = record_step(compose(["+exp=tiny", "train.precision=bf16"]))
     ops = totals(comp, "op")
@@ -162,51 +162,29 @@ def test_fused_adamw_reads_and_writes_each_tensor_once():
 # is longer than the kernels; the roofline predicts the kernels. The compiled step with FP32 moments ran without
 # the rope region (parallel/compile.py), which the prediction includes (3.6 ms less). The trainer's default (BF16
 # moments, rope region, replayed from a CUDA graph) is GPU-bound: its wall is the kernels plus 1.3 us per launch.
-# These steps ran an earlier model code, which the fixture ``as_measured`` restores: the routers' selection and
-# balance terms eager; each attention's heads split from its up-projections' outputs eagerly (the values a view),
-# only the rotation and concatenation a region; the MTP module looked its embeddings up again; the bias update ran
-# layer by layer. Not restored: the gate's GEMM ran in BF16 under the autocast then, with two casts more per layer
-# (0.5 ms). When a GPU measures the present code, its numbers replace these and the fixture goes.
+# These steps ran an earlier model code, which the fixture ``as_measured`` restores: the regions no GPU had run off
+# (as by default); the values a view of the key/value up-projection's output, not a copy; the MTP module looked its
+# embeddings up again; the bias update ran layer by layer. Not restored: the gate's GEMM ran in BF16 under the
+# autocast then, with two casts more per layer (0.5 ms). When a GPU measures the present code, its numbers replace
+# these and the fixture goes.
 MEASURED_12_BUSY_WALL = {"eager, torch's AdamW": (170.0, 184.8), "compiled regions, Triton AdamW": (121.7, 156.6),
                          "the trainer's default": (115.8, 120.7)}
 
 
-def _query_heads_measured(rotate, q_BTC, cos, sin, n_heads, nope):
-    B, T, _ = q_BTC.shape
-    q = q_BTC.view(B, T, n_heads, -1).transpose(1, 2)
-    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
-    return rotate(q_nope, q_pe, cos, sin)
-
-
-def _kv_heads_measured(rotate, kv_BTC, k_pe_BTR, cos, sin, n_heads, nope):
+def _kv_heads_measured(kv_BTC, k_pe_BTR, cos, sin, n_heads, nope, rotate):
     B, T, _ = kv_BTC.shape
-    kv = kv_BTC.view(B, T, n_heads, -1).transpose(1, 2)
-    k_nope, v = kv.split([nope, kv.shape[-1] - nope], dim=-1)
+    k_nope, v = kv_BTC.view(B, T, n_heads, -1).transpose(1, 2).split([nope, kv_BTC.shape[-1] // n_heads - nope], -1)
     return rotate(k_nope, k_pe_BTR.unsqueeze(1), cos, sin), v
 
 
 @pytest.fixture
 def as_measured(monkeypatch):
     """The model code and ``apply_compile`` as they were when the steps above were measured (comment above)."""
-    from models.attention import MLA
-    from models.layers import rope_heads
-    from parallel import compile as regional
-    original = regional.apply_compile
-
-    def heads(rotate):
-        return (staticmethod(functools.partial(_query_heads_measured, rotate)),
-                staticmethod(functools.partial(_kv_heads_measured, rotate)))
-
-    def apply(model, backend="inductor"):
-        names = original(model, backend)
-        for m in model.modules():
-            if isinstance(m, MoE):
-                del m.gate.select, m.balance_terms      # the classes' own (eager) functions again
-            if isinstance(m, MLA):
-                m.query_heads, m.kv_heads = (f.__func__ for f in heads(regional.Region(rope_heads, backend)))
-        return names
-    monkeypatch.setattr(regional, "apply_compile", apply)
     from models import transformer
+    from models.attention import MLA
+    from parallel.compile import UNVERIFIED_ENV
+    monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    monkeypatch.setattr(MLA, "kv_heads", staticmethod(_kv_heads_measured))
     head_loss_steps = transformer.head_loss_steps
     monkeypatch.setattr(transformer, "head_loss_steps", lambda *a, emb_BTD=None, **kw: head_loss_steps(*a, **kw))
 
@@ -216,9 +194,6 @@ def as_measured(monkeypatch):
             moe.gate.expert_bias.add_(gamma * torch.sign(load.mean() - load))
             moe.tokens_per_expert.zero_()
     monkeypatch.setattr(transformer.DeepSeekV3, "update_expert_bias", update_expert_bias)
-    q, kv = heads(rope_heads)
-    monkeypatch.setattr(MLA, "query_heads", q)
-    monkeypatch.setattr(MLA, "kv_heads", kv)
 
 
 @pytest.mark.parametrize("variant", sorted(MEASURED_12_BUSY_WALL))
