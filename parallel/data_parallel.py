@@ -60,13 +60,12 @@ def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | None = None,
-              grads: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients (a float64 scalar tensor on the parameters' device). Expert shards are
-    summed over the EP group, pipeline stages over the pp group; ``weight(name)`` (1 / holders) counts a tensor
-    held by several pipeline ranks (DualPipe replicas, tied embeddings) once. ``named``: as in
-    ``sync_gradients``; ``grads``: the gradient of each of them (any float dtype, read as it is) instead of
-    their ``.grad``."""
+def grad_sq(model: nn.Module, weight=None, named: list | None = None,
+            grads: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sums of squared gradients, (dense, routed expert): FP64 scalars on the parameters' device, before
+    any reduction. Arguments as ``grad_norm``'s. Non-finite exactly when a gradient holds an inf or nan (the sums
+    are FP64, as ``all_finite``'s, and every ``weight`` is positive), so one pass serves the finiteness check and
+    the clip (``Replicated.grads_finite``)."""
     expert = is_expert_param(model)
     named = list(model.named_parameters() if named is None else named)
     grads = [p.grad for _, p in named] if grads is None else grads
@@ -80,8 +79,20 @@ def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | N
     sq = {e: torch.zeros((), dtype=torch.float64, device=device) for e in (False, True)}
     for (is_expert, w), gs in groups.items():
         sq[is_expert] = sq[is_expert] + torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float64)).square().sum() * w
-    dense_sq, expert_sq = sq[False], sq[True]
+    return sq[False], sq[True]
+
+
+def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | None = None,
+              grads: list[torch.Tensor | None] | None = None,
+              sq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients (a float64 scalar tensor on the parameters' device). Expert shards are
+    summed over the EP group, pipeline stages over the pp group; ``weight(name)`` (1 / holders) counts a tensor
+    held by several pipeline ranks (DualPipe replicas, tied embeddings) once. ``named``: as in
+    ``sync_gradients``; ``grads``: the gradient of each of them (any float dtype, read as it is) instead of
+    their ``.grad``; ``sq``: this rank's sums (``grad_sq``) where the caller has them already."""
+    dense_sq, expert_sq = grad_sq(model, weight, named, grads) if sq is None else sq
     if dims.ep > 1:
+        expert_sq = expert_sq.clone() if sq is not None else expert_sq   # the caller's sums stay this rank's
         dist.all_reduce(expert_sq, group=dims.group("ep"))
     total_sq = dense_sq + expert_sq
     if dims.pp > 1:

@@ -195,6 +195,33 @@ def test_replicated_bf16_moments_are_kept_and_match_the_native_zero():
     assert isinstance(opt, Replicated) and opt.moments == torch.bfloat16
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp32"])
+def test_the_finiteness_check_and_the_clip_read_the_gradients_once(monkeypatch, weights):
+    """``grads_finite`` then ``step`` (the trainer's order) pass over the gradients once: the clip reuses the
+    check's sums, and the norm is the one ``step`` alone computes, bit for bit. A gradient changed in place after
+    the check, or a check that found an inf, is not reused."""
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    norms = []
+    for check, poke in ((False, None), (True, None), (True, 2.0), (True, float("inf"))):
+        model, xs = model_and_data()
+        opt = Replicated(model, _optim(), ONE, None, weights=weights, kernel=True)
+        opt.backward(model(xs[0].to(dtype)).float().square().mean() * 50)
+        calls.clear()
+        if check:
+            assert bool(opt.grads_finite())
+        if poke is not None:
+            with torch.no_grad():
+                next(g for g in opt._held() if g is not None).mul_(poke)
+        norms.append(float(opt.step(0.5)))
+        assert sum(calls) == (2 if check and poke is not None else 1) * len(opt.params), (check, poke, calls)
+        assert opt._sq == (None, None)
+    plain, checked, doubled, inf = norms
+    assert checked == plain and doubled > plain and inf == float("inf")
+
+
 def test_a_wrong_kernel_gives_way_to_the_torch_path(monkeypatch, caplog):
     """``kernel=None`` self-checks the kernel first (forced to here, off CUDA); a wrong one warns once and
     ``Replicated`` steps as with ``kernel=False``."""

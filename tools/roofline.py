@@ -1,7 +1,8 @@
 """The GPU cost of one training step, predicted on the CPU: ``python -m tools.roofline +exp=v3_small [overrides]``.
 
 The step of ``Trainer.train_step`` on one device (forward and backward of every micro-batch under the run's
-autocast, the optimizer step with its clip, ``zero_grad``, the expert-bias update) runs on fake tensors
+autocast, the check for non-finite gradients, the optimizer step with its clip, ``zero_grad``, the expert-bias
+update) runs on fake tensors
 (``FakeTensorMode``: shapes and dtypes, no data, seconds on a CPU), while a dispatch mode records every aten op
 the step issues, by phase (``forward``, ``backward``, ``optimizer``, ``other``): its FLOPs (torch's
 ``flop_registry``), the bytes it reads and writes in memory (its tensor inputs and outputs, views excluded), one
@@ -486,6 +487,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
                 rec.phase = "backward"
                 opt.backward(out.loss / micro_batches)
             rec.phase = "optimizer"
+            opt.grads_finite()   # the trainer's check before the update (Trainer.check_step)
             opt.step(cfg.optim.grad_clip)
             rec.phase = "other"
             opt.zero_grad()

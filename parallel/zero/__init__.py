@@ -36,7 +36,7 @@ from torch import nn
 
 from kernels import adamw as adamw_kernel
 
-from ..data_parallel import all_finite, clip_coef, clip_grad_norm, grad_norm, sync_gradients
+from ..data_parallel import all_finite, clip_coef, clip_grad_norm, grad_norm, grad_sq, sync_gradients
 from ..dims import ParallelDims
 from ..state_dict import to_global, to_local
 from .master import WEIGHT_DTYPES, FP32Grads, cast_
@@ -96,6 +96,7 @@ class Replicated:
         self.moments = MOMENT_DTYPES[moments]
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fp32_grads = None
+        self._sq: tuple = (None, None)   # grads_finite's sums and the gradients they came from (_held_sq)
         self.named = self.params   # what AdamW updates: the parameters, or their FP32 master
         if weights != "fp32":
             self.named = [(n, nn.Parameter(p.detach())) for n, p in self.params]   # keeps the FP32 storage
@@ -130,9 +131,32 @@ class Replicated:
 
     @torch.no_grad()
     def grads_finite(self) -> torch.Tensor:
+        """Without data parallelism the gradients ``step`` reads are the ones held now: their sums of squares
+        (``grad_sq``) answer, and ``step`` reuses them for the clip while those tensors are unchanged (one pass
+        over the gradients per step, not two). With dp > 1 ``step`` reads them after the all-reduce."""
+        if self.dims.dp == 1:
+            grads = self._held()
+            sq = grad_sq(self.model, self.grad_weight, self.named, grads)
+            self._sq = (sq, [(g, g._version) for g in grads if g is not None])
+            return torch.isfinite(sq[0] + sq[1])
         grads = list(self.fp32_grads.grads.values()) if self.fp32_grads is not None else \
             [p.grad for _, p in self.params if p.grad is not None]
         return all_finite(grads, next(self.model.parameters()).device)
+
+    def _held(self) -> list[torch.Tensor | None]:
+        """The gradient of each of ``self.named`` as held now (what ``_take_grads`` will hand ``step``)."""
+        if self.fp32_grads is None:
+            return [t.grad for _, t in self.named]
+        return [self.fp32_grads.grads.get(p) for _, p in self.params]
+
+    def _held_sq(self, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``grads_finite``'s sums, where ``grads`` are the very tensors it read, unmodified since; else None."""
+        sq, seen = self._sq
+        self._sq = (None, None)
+        now = [g for g in grads if g is not None]
+        if sq is None or len(now) != len(seen) or any(g is not h or g._version != v for g, (h, v) in zip(now, seen)):
+            return None
+        return sq
 
     def step(self, max_norm: float) -> torch.Tensor:
         kernel = self.kernel and (not self.check_kernel or adamw_kernel.usable(self.named[0][1].device))
@@ -169,7 +193,7 @@ class Replicated:
         """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: one launch; or its torch
         reference) per parameter with a gradient (``torch.optim.AdamW`` skips the others too), its step count
         advanced on the host."""
-        norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads)
+        norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads, sq=self._held_sq(grads))
         coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
         grad_of = {id(t): g for (_, t), g in zip(self.named, grads)}
         low = {id(m): p for (_, p), (_, m) in zip(self.params, self.named)} if self.fp32_grads is not None else {}
@@ -191,6 +215,7 @@ class Replicated:
         torch._foreach_copy_([p for _, p in self.params], [m for _, m in self.named])
 
     def zero_grad(self) -> None:
+        self._sq = (None, None)
         self.optimizer.zero_grad(set_to_none=True)
         if self.fp32_grads is not None:
             self.fp32_grads.clear()
