@@ -253,6 +253,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
 
     def step() -> float:
         loss = graphed((inputs, labels)) if graphed else forward_backward(inputs, labels)
+        opt.grads_finite()   # the trainer's check before the update (its answer reaches the host with the step's)
         opt.step(1.0)
         opt.zero_grad()
         model.update_expert_bias(1e-3)

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels import adamw as adamw_kernel
+
 from .dims import ParallelDims
 from .ep import is_expert_param
 
@@ -71,6 +73,10 @@ def grad_sq(model: nn.Module, weight=None, named: list | None = None,
     grads = [p.grad for _, p in named] if grads is None else grads
     pairs = [(n, g.detach()) for (n, _), g in zip(named, grads) if g is not None]
     device = pairs[0][1].device if pairs else torch.device("cpu")
+    if pairs and kernel_sums(device):   # the Triton sums: a launch per gradient dtype, not per few tensors
+        sq = adamw_kernel.triton_sums_of_squares([g.contiguous() for _, g in pairs], [int(expert[n]) for n, _ in pairs],
+                                                 [weight(n) if weight else 1.0 for n, _ in pairs], 2)
+        return sq[0], sq[1]
     # per (routed expert?, weight): one fused pass accumulated in FP64 (no FP64 copy of each gradient; the squares
     # of any finite FP32 value fit), scaled by a Python float: nothing travels from the host to the device
     groups: dict[tuple[bool, float], list[torch.Tensor]] = {}
@@ -80,6 +86,12 @@ def grad_sq(model: nn.Module, weight=None, named: list | None = None,
     for (is_expert, w), gs in groups.items():
         sq[is_expert] = sq[is_expert] + torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float64)).square().sum() * w
     return sq[False], sq[True]
+
+
+def kernel_sums(device: torch.device) -> bool:
+    """Whether ``grad_sq`` sums with the Triton kernel (``kernels.adamw.triton_sums_of_squares``): on CUDA, where
+    the AdamW kernels passed their self-check; elsewhere torch's ``_foreach_norm``."""
+    return device.type == "cuda" and adamw_kernel.usable(device)
 
 
 def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | None = None,

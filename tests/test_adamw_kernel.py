@@ -103,6 +103,87 @@ def test_empty_tensor_and_layout_asserts():
         adamw.triton_adamw_(x, x.t(), x.clone(), x.clone(), lr=1e-3, weight_decay=0.0, step=1, **HYPER)
 
 
+# ---- many tensors in one launch -------------------------------------------------------------------------
+def updates_of(sizes, moments, steps, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [adamw.Update(torch.randn(n, generator=g).to(DEV), (torch.randn(n, generator=g) * 3).to(DEV, torch.bfloat16),
+                         torch.randn(n, generator=g).to(DEV, md) * 0.1, torch.rand(n, generator=g).to(DEV, md) * 0.1,
+                         torch.empty(n, dtype=torch.bfloat16, device=DEV) if out else None, step)
+            for n, md, step, out in zip(sizes, moments, steps, (True, False) * len(sizes))]
+
+
+def test_many_tensors_update_as_one_launch_each_does():
+    """``triton_adamw_many_``: one launch per kind (step count, dtypes; empty tensors skipped), each tensor's
+    result the single-tensor kernel's (the same maths, ``_update``; bit for bit interpreted), across chunk
+    boundaries."""
+    B = adamw.BLOCK
+    sizes = (1, 700, 3 * B + 5, B, 0, 4 * B, 9)
+    f32, bf16 = torch.float32, torch.bfloat16
+    moments = (f32, bf16, f32, f32, f32, bf16, f32)
+    steps = (3, 3, 3, 4, 3, 3, 3)
+    many, one = updates_of(sizes, moments, steps), updates_of(sizes, moments, steps)
+    kinds = adamw.launches(many)
+    assert [len(k) for k in kinds] == [3, 2, 1] and sum(map(len, kinds)) == len(sizes) - 1
+    hyper = dict(lr=3e-3, weight_decay=0.1, coef=torch.tensor(0.37, device=DEV), **HYPER)
+    adamw.triton_adamw_many_(many, chunk=2 * B, **hyper)   # two blocks per program
+    for u in one:
+        adamw.triton_adamw_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, out=u.out, step=u.step, block=256, **hyper)
+    for a, b in zip(many, one):
+        for x, y in zip(a[:5], b[:5]):
+            assert (x is None) == (y is None)
+            if x is not None and DEV.type == "cpu":
+                assert torch.equal(x, y)
+            elif x is not None:   # compiled twice, a fused multiply-add may differ: FP32 rounding, one BF16 ulp
+                torch.testing.assert_close(x.float(), y.float(), rtol=2 ** -20 if x.dtype == torch.float32 else 2 ** -8,
+                                           atol=0)
+        assert a.out is None or torch.equal(a.out, a.master.to(torch.bfloat16))
+    with pytest.raises(AssertionError):
+        adamw.triton_adamw_many_(many, chunk=B + 1, **hyper)   # not a multiple of the block
+
+
+def test_sums_of_squares_in_one_launch_per_dtype():
+    """``triton_sums_of_squares``: each slot's weighted FP64 sum of squares, as torch computes it; an inf counts
+    in its own slot only; empty tensors add nothing."""
+    g = torch.Generator().manual_seed(4)
+    f32, bf16 = torch.float32, torch.bfloat16
+    shapes = ((3, bf16), (5000, f32), (0, bf16), (2048, bf16), (77, f32))
+    ts = [(torch.randn(n, generator=g) * 5).to(DEV, dt) for n, dt in shapes]
+    slots, weights = [0, 1, 0, 2, 1], [1.0, 0.5, 3.0, 1.0, 2.0]
+    got = adamw.triton_sums_of_squares(ts, slots, weights, 3, chunk=2 * adamw.BLOCK)
+    want = torch.zeros(3, dtype=torch.float64)
+    for t, j, w in zip(ts, slots, weights):
+        want[j] += w * t.double().square().sum().cpu()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-13, atol=0)
+    ts[3][5] = float("inf")
+    got = adamw.triton_sums_of_squares(ts, slots, weights, 3, chunk=2 * adamw.BLOCK).cpu()
+    assert got[2] == float("inf") and bool(torch.isfinite(got[:2]).all())
+
+
+def test_the_gradient_norm_is_the_same_with_the_kernel(monkeypatch):
+    """``grad_sq`` with the Triton sums (as on CUDA) equals torch's ``_foreach_norm`` path, BF16 and FP32
+    gradients, dense and routed-expert groups weighted."""
+    import models
+    from models.config import ModelConfig
+    from parallel import data_parallel
+    torch.manual_seed(0)
+    model = models.build(ModelConfig(vocab_size=64, dim=16, n_layers=2, first_k_dense=1, inter_dim=32, n_heads=2,
+                                     q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                                     v_head_dim=4, moe_inter_dim=8, n_routed_experts=4, n_shared_experts=1,
+                                     n_activated_experts=2, n_expert_groups=1, n_limited_groups=1, mtp_depth=1),
+                         device=DEV)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 17), device=DEV)
+    model.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=0.3, aux_alpha=1e-3).loss.backward()
+    named = list(model.named_parameters())
+    grads = [p.grad.to(torch.bfloat16) if i % 3 else p.grad for i, (_, p) in enumerate(named)]
+    weight = lambda n: 0.5 if "embed" in n else 1.0   # noqa: E731
+    want = data_parallel.grad_sq(model, weight, named, grads)
+    monkeypatch.setattr(data_parallel, "kernel_sums", lambda device: True)
+    got = data_parallel.grad_sq(model, weight, named, grads)
+    assert float(want[1]) > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
 # ---- the optimizers' kernel paths -----------------------------------------------------------------------
 def model_and_data(seed=0):
     torch.manual_seed(seed)
