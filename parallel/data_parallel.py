@@ -73,19 +73,26 @@ def grad_sq(model: nn.Module, weight=None, named: list | None = None,
     grads = [p.grad for _, p in named] if grads is None else grads
     pairs = [(n, g.detach()) for (n, _), g in zip(named, grads) if g is not None]
     device = pairs[0][1].device if pairs else torch.device("cpu")
-    if pairs and kernel_sums(device):   # the Triton sums: a launch per gradient dtype, not per few tensors
-        sq = adamw_kernel.triton_sums_of_squares([g.contiguous() for _, g in pairs], [int(expert[n]) for n, _ in pairs],
-                                                 [weight(n) if weight else 1.0 for n, _ in pairs], 2)
-        return sq[0], sq[1]
-    # per (routed expert?, weight): one fused pass accumulated in FP64 (no FP64 copy of each gradient; the squares
-    # of any finite FP32 value fit), scaled by a Python float: nothing travels from the host to the device
-    groups: dict[tuple[bool, float], list[torch.Tensor]] = {}
-    for n, g in pairs:
-        groups.setdefault((expert[n], weight(n) if weight else 1.0), []).append(g)
-    sq = {e: torch.zeros((), dtype=torch.float64, device=device) for e in (False, True)}
-    for (is_expert, w), gs in groups.items():
-        sq[is_expert] = sq[is_expert] + torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float64)).square().sum() * w
-    return sq[False], sq[True]
+    dense, routed = sums_of_squares([g for _, g in pairs], [int(expert[n]) for n, _ in pairs],
+                                    [weight(n) if weight else 1.0 for n, _ in pairs], 2, device)
+    return dense, routed
+
+
+def sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weights: list[float], k: int,
+                    device: torch.device) -> list[torch.Tensor]:
+    """``k`` FP64 scalars: slot ``j`` is ``Σ weights[i] · ‖tensors[i]‖²`` over the tensors with ``slots[i] = j``.
+    On CUDA the Triton sums (``kernel_sums``: a launch per dtype); elsewhere one fused ``_foreach_norm`` per
+    (slot, weight), accumulated in FP64 (no FP64 copy of a tensor; the squares of any finite FP32 value fit) and
+    scaled by a Python float: nothing travels from the host to the device."""
+    if tensors and kernel_sums(device):
+        return list(adamw_kernel.triton_sums_of_squares([t.contiguous() for t in tensors], slots, weights, k).unbind())
+    groups: dict[tuple[int, float], list[torch.Tensor]] = {}
+    for t, j, w in zip(tensors, slots, weights):
+        groups.setdefault((j, w), []).append(t)
+    sq = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(k)]
+    for (j, w), ts in groups.items():
+        sq[j] = sq[j] + torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).square().sum() * w
+    return sq
 
 
 def kernel_sums(device: torch.device) -> bool:

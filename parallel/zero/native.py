@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..data_parallel import all_finite, clip_coef
+from ..data_parallel import all_finite, clip_coef, sums_of_squares
 from ..dims import ParallelDims
 from kernels import adamw as adamw_kernel
 
@@ -204,12 +204,15 @@ class ZeroOptimizer:
     def step(self, max_norm: float) -> torch.Tensor:
         self._reduce_all()
         d = self.dims
-        sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device if self.buckets else "cpu")
+        pieces, weights = [], []
         for b in self.buckets:
             b.grad.mul_(1.0 / d.dp)   # sums over dp (experts: the all-to-all already summed over ep) -> mean
             for s in b.slots:
                 if s.numels[b.me]:
-                    sq += b.mine(b.grad, s).double().pow(2).sum() * s.weight
+                    pieces.append(b.mine(b.grad, s))
+                    weights.append(s.weight)
+        device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
+        sq = sums_of_squares(pieces, [0] * len(pieces), weights, 1, device)[0]   # FP64, no FP64 copy of a piece
         if d.dp > 1:
             dist.all_reduce(sq, group=d.group("dp"))   # dense pieces over dp; expert pieces over edp x ep
         if d.pp > 1:
