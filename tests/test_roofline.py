@@ -262,18 +262,23 @@ def test_adamw_kernel_by_hand():
 
 
 def test_v3_small_optimizer_is_the_adamw_kernel():
-    """v3_small's optimizer phase on the Triton AdamW: one launch and 20 bytes per parameter (BF16 moments),
+    """v3_small's optimizer phase on the Triton AdamW: one launch per parameter group, 20 bytes per parameter (BF16
+    moments),
     at most 0.7x torch's fused AdamW with its clip, casts and copy."""
     kernel, mcfg = record_step(compose(["+exp=v3_small"]), 4)
     fp32, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4)
     fused, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4, adamw_kernel=False)
     n = sum(p.numel() for p in __import__("models").build(mcfg, "meta").parameters())
     assert totals(kernel, "op")["adamw kernel"].bytes == (2 + 4 * 2 + 2 * 2 * 2 + 2) * n
+    assert totals(kernel, "op")["adamw kernel"].launches == 2
     assert totals(fp32, "op")["adamw kernel"].bytes == 28 * n
     assert totals(kernel, "phase")["optimizer"].seconds < 0.7 * totals(fused, "phase")["optimizer"].seconds
 
 
 def test_cli_last_line(capsys):
-    assert roofline.main(["+exp=tiny", "train.precision=bf16"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert roofline.main(["+exp=tiny", "train.precision=bf16", "--top", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = lines[-1]
     assert last.startswith("predicted step: ") and last.endswith("% MFU)") and " ms on H100 (" in last
+    top = lines[lines.index("-- top ops") + 1:][:4]
+    assert [r.split(":")[0] in roofline.PHASES for r in top] == [True, True, True, False], top   # 3 ops, then sources

@@ -12,8 +12,8 @@ decomposition.
 
 Predicted time on an H100, per op: ``max(FLOPs / rate of its class, bytes / bandwidth of its class)`` plus a
 per-launch cost; the constants (``H100``) and where each comes from are listed in ``H100.sources``. The report
-prints per phase and per op class: calls, FLOPs, bytes, launches, syncs and predicted ms; its last line is
-``predicted step: <ms> ms on H100 (<mfu> % MFU)``, MFU against the dense BF16 peak (989 TFLOP/s) with the model
+prints per phase, per op class and for the ``--top N`` costliest ops (each per phase): calls, FLOPs, bytes,
+launches, syncs and predicted ms; its last line is ``predicted step: <ms> ms on H100 (<mfu> % MFU)``, MFU against the dense BF16 peak (989 TFLOP/s) with the model
 FLOPs of ``models.params.flops_per_token``.
 
 Batch: ``train.micro_batch_size`` x ``data.seq_len`` tokens per micro-batch, ``--micro-batches N`` of them per step
@@ -524,12 +524,13 @@ def totals(rec: Recorder, by: str) -> dict[str, Stat]:
     return dict(out)
 
 
-def report(rec: Recorder, model_cfg, tokens: int, seq_len: int) -> list[str]:
+def report(rec: Recorder, model_cfg, tokens: int, seq_len: int, top: int = 12) -> list[str]:
+    """The printed report; ``top``: how many ops it lists, each per phase (``phase: op``)."""
     from models.params import flops_per_token
-    rows = [f"{'':<24} {'calls':>7} {'TFLOP':>9} {'GB':>9} {'launches':>9} {'syncs':>6} {'pred. ms':>9}"]
+    rows = [f"{'':<40} {'calls':>7} {'TFLOP':>9} {'GB':>9} {'launches':>9} {'syncs':>6} {'pred. ms':>9}"]
 
     def line(name, s: Stat):
-        return (f"{name:<24} {s.calls:>7} {s.flops / 1e12:>9.3f} {s.bytes / 1e9:>9.2f} {s.launches:>9} {s.syncs:>6} "
+        return (f"{name:<40} {s.calls:>7} {s.flops / 1e12:>9.3f} {s.bytes / 1e9:>9.2f} {s.launches:>9} {s.syncs:>6} "
                 f"{s.seconds * 1e3:>9.1f}")
     for by in ("phase", "class"):
         rows.append(f"-- by {by}")
@@ -540,7 +541,10 @@ def report(rec: Recorder, model_cfg, tokens: int, seq_len: int) -> list[str]:
         total.add(s)
     rows.append(line("step", total))
     rows.append("-- top ops")
-    for name, s in sorted(totals(rec, "op").items(), key=lambda kv: -kv[1].seconds)[:12]:
+    per_phase: dict[str, Stat] = collections.defaultdict(Stat)
+    for (phase, _, op), s in rec.stats.items():
+        per_phase[f"{phase}: {op}"].add(s)
+    for name, s in sorted(per_phase.items(), key=lambda kv: -kv[1].seconds)[:top]:
         rows.append(line(name, s))
     rows += [f"source: {s}" for s in rec.hw.sources]
     model_flops = flops_per_token(model_cfg, seq_len).per_token * tokens
@@ -555,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.roofline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many layers")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (default 1)")
+    ap.add_argument("--top", type=int, default=12, help="ops listed, each per phase (default 12)")
     args, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = compose(overrides)
@@ -569,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len * args.micro_batches
     print(f"roofline: {model_cfg.n_layers} layers, {args.micro_batches} x {cfg.train.micro_batch_size} x "
           f"{cfg.data.seq_len} tokens, precision {cfg.train.precision}")
-    print("\n".join(report(rec, model_cfg, tokens, cfg.data.seq_len)))
+    print("\n".join(report(rec, model_cfg, tokens, cfg.data.seq_len, args.top)))
     return 0
 
 
