@@ -155,7 +155,8 @@ def triton_adamw_many_(updates: list[Update], *, lr: float, beta1: float, beta2:
 def triton_sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weights: list[float], k: int,
                            chunk: int | None = None) -> torch.Tensor:
     """``out[j] = Σ_{i: slots[i] = j} weights[i] · ‖tensors[i]‖²`` in FP64 (``k`` values on the tensors' device):
-    the gradient norm's sums (``parallel.data_parallel.grad_sq``) in one launch per dtype and a weighted sum,
+    the gradient norm's sums (``parallel.data_parallel.grad_sq``) in one launch per dtype and a weighted sum
+    (deterministic: no atomics),
     where torch's ``_foreach_norm`` takes a launch per few tensors. An inf or nan makes its slot's sum
     non-finite, and only its slot's. ``tensors``: contiguous, on one device."""
     kern = _kernels()
@@ -171,22 +172,24 @@ def triton_sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weight
     for dtype, idx in by_dtype.items():
         numels = tuple(tensors[i].numel() for i in idx)
         chunk_tensor, chunk_start, numels_d = _chunk_map(numels, chunk, str(device))
-        slot, weight = _chunk_weights(numels, tuple(slots[i] for i in idx), tuple(weights[i] for i in idx), chunk,
-                                      str(device))
+        in_slot, weight = _chunk_weights(numels, tuple(slots[i] for i in idx), tuple(weights[i] for i in idx), k,
+                                         chunk, str(device))
         ptrs = torch.tensor([tensors[i].data_ptr() for i in idx], dtype=torch.int64).to(device)
         partial = torch.empty(chunk_tensor.numel(), dtype=torch.float64, device=device)
         kern._sum_squares_many_kernel[(chunk_tensor.numel(),)](ptrs, chunk_tensor, chunk_start, numels_d, partial,
                                                                DTYPE=_tl(dtype), BLOCK=BLOCK, CHUNK=chunk, num_warps=4)
-        out.index_add_(0, slot, partial * weight)
+        out += torch.where(in_slot, partial * weight, 0.0).sum(1)   # no atomics: the same bits every run
     return out
 
 
 @functools.lru_cache(maxsize=32)
-def _chunk_weights(numels: tuple[int, ...], slots: tuple[int, ...], weights: tuple[float, ...], chunk: int,
+def _chunk_weights(numels: tuple[int, ...], slots: tuple[int, ...], weights: tuple[float, ...], k: int, chunk: int,
                    device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each program's slot and weight (its tensor's) for ``triton_sums_of_squares``, on ``device``."""
+    """For ``triton_sums_of_squares``, on ``device``: whether each program's tensor is in each slot ([k, programs]:
+    a ``where`` then a sum, so an inf in one slot is no NaN in another) and its weight."""
     counts = torch.tensor([-(-n // chunk) for n in numels])
-    return (torch.tensor(slots).repeat_interleave(counts).to(device),
+    slot = torch.tensor(slots).repeat_interleave(counts)
+    return ((slot == torch.arange(k).unsqueeze(1)).to(device),
             torch.tensor(weights, dtype=torch.float64).repeat_interleave(counts).to(device))
 
 

@@ -254,7 +254,7 @@ def adamw_kernel_recorded(recorder: "Recorder"):
             group = [t for t in tensors if t.dtype == dtype]
             partial = torch.empty(sum(-(-t.numel() // adamw.CHUNK) for t in group), dtype=torch.float64)
             recorder.record("adamw kernel: sums of squares", None, group, {}, partial, 0.0)
-            out.index_add_(0, torch.zeros(len(partial), dtype=torch.int64), partial * 1.0)
+            out += torch.where(torch.zeros(k, len(partial), dtype=torch.bool), partial * 1.0, 0.0).sum(1)
         return out
 
     import parallel.data_parallel as dp
