@@ -16,6 +16,12 @@ region is one or two generated kernels each way. They are the largest share of t
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
 graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
 
+Never wrong: each call that compiles a new graph is checked against eager on its own inputs, on its device
+(``check_region``: the outputs, and the inputs' gradients from a seeded random cotangent, within ``CHECK_TOL``;
+integer outputs such as a router's top-k row by row, up to ``INDEX_MISMATCH`` of rows for 1-ulp ties). A graph that
+differs, or fails to compile, sends its region back to eager with one warning line. The check costs one eager and
+one compiled run per new graph (a handful per region), never inside a CUDA graph's capture.
+
 Modes (``MODES``): ``auto`` compiles on CUDA and leaves the CPU eager (inductor's CPU code is not faster for
 the tiny models run there, and its first compile costs seconds); ``on`` compiles on any device; ``off`` never.
 
@@ -63,14 +69,24 @@ def enabled(mode: str, device: torch.device | str) -> bool:
 def region(fn: Callable, backend: str) -> Callable:
     """``fn`` compiled for ``backend``, one per process (``tools.roofline`` replaces this to record a region as
     the one fused kernel it becomes). If dynamo or the backend fails to compile it, one warning line names the
-    region and the error, and ``fn`` runs eagerly from then on: slower, never wrong."""
-    state = {"fn": torch.compile(fn, backend=backend)}
+    region and the error, and ``fn`` runs eagerly from then on: slower, never wrong. Each call that compiled a
+    new graph is then checked against eager on its own inputs (``check_region``: the outputs, and the gradients
+    from a random cotangent), on the device it runs on; a wrong graph sends the region back to eager, with one
+    warning line naming the region and the error."""
+    graphs = [0]
+    compiler = torch._dynamo.lookup_backend(backend)
+
+    def counted(gm, example_inputs, **kwargs):
+        graphs[0] += 1
+        return compiler(gm, example_inputs, **kwargs)
+    state = {"fn": torch.compile(fn, backend=counted)}
     limit = torch._dynamo.config
     limit.recompile_limit = max(limit.recompile_limit, RECOMPILE_LIMIT)
 
     def run(*args):
+        seen = graphs[0]
         try:
-            return state["fn"](*args)
+            out = state["fn"](*args)
         except COMPILE_ERRORS as e:
             if state["fn"] is fn:
                 raise
@@ -78,7 +94,74 @@ def region(fn: Callable, backend: str) -> Callable:
                         fn.__name__, backend, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             state["fn"] = fn
             return fn(*args)
+        if graphs[0] != seen and state["fn"] is not fn and not _capturing(args):
+            try:
+                why = check_region(state["fn"], fn, args)
+            except Exception as e:   # a check that cannot run vouches for nothing: eager, named in the warning
+                why = f"the check failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if why:
+                log.warning("train.compile: %s compiled with %s differs from eager (%s); it runs eagerly",
+                            fn.__name__, backend, why)
+                state["fn"] = fn
+                return fn(*args)
+        return out
     return run
+
+
+def _capturing(args) -> bool:
+    """Whether a CUDA graph is being captured (no check then: it would be captured too; warm-up runs it first)."""
+    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) and torch.cuda.is_current_stream_capturing()
+
+
+def _tol(dtype: torch.dtype) -> float:
+    """How far a compiled region's float result may be from eager's (norm-wise): FP32 to rounding (a different
+    order of the same sums), 16-bit within a few roundings (inductor rounds once where eager rounds per op); a wrong
+    kernel is off by ~1."""
+    return CHECK_TOL.get(dtype, CHECK_TOL[torch.bfloat16])
+
+
+CHECK_TOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2}
+INDEX_MISMATCH = 1e-2   # integer results (a router's top-k): the fraction of rows allowed to differ (1-ulp ties)
+
+
+def check_region(compiled_fn: Callable, fn: Callable, args: tuple) -> str:
+    """``compiled_fn`` vs eager ``fn`` on ``args`` (detached copies, the same grad mode and autocast): "" when the
+    outputs and (in grad mode) the inputs' gradients from a seeded random cotangent agree (``_tol``; integer
+    outputs row by row, and float results compared on the rows where those agree), else what differs."""
+    grad = torch.is_grad_enabled()
+    runs = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):   # not a recompute's hooks
+        for f in (fn, compiled_fn):
+            xs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+            out = f(*xs)
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+            pairs = [(o, _cotangent(o)) for o in outs if o.is_floating_point() and o.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True) \
+                if grad and pairs and leaves else []
+            runs.append((outs, [g for g in grads if g is not None]))
+    (want, dwant), (got, dgot) = runs
+    same = None
+    for w, g in zip(want, got):
+        if not w.is_floating_point():
+            rows = (w == g).reshape(len(w), -1).all(1) if w.dim() else (w == g).reshape(1)
+            if 1 - rows.float().mean().item() > INDEX_MISMATCH:
+                return f"{1 - rows.float().mean().item():.3g} of an integer output's rows differ"
+            same = rows if w.dim() else same
+    for i, (w, g) in enumerate(list(zip(want, got)) + list(zip(dwant, dgot))):
+        if w.is_floating_point():
+            if same is not None and w.dim() and len(w) == len(same):
+                w, g = w[same], g[same]
+            err = ((w.double() - g.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
+            if not err <= _tol(w.dtype):
+                return f"{'output' if i < len(want) else 'gradient'} {i if i < len(want) else i - len(want)}: " \
+                       f"relative error {err:.3g} > {_tol(w.dtype):g}"
+    return ""
+
+
+def _cotangent(t: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator(device=t.device).manual_seed(0)   # not the global generator: training draws stay as they were
+    return torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)
 
 
 def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,65 @@ def test_a_region_that_fails_to_compile_runs_eagerly_with_one_warning(monkeypatc
     assert torch._dynamo.config.recompile_limit >= regional.RECOMPILE_LIMIT
 
 
+def test_each_new_graph_is_checked_and_a_wrong_one_runs_eagerly(monkeypatch, caplog):
+    """Every call that compiled a graph is checked against eager on its inputs (outputs and gradients); calls that
+    reuse a graph are not. A backend whose graph is wrong (its outputs scaled by 1.5) sends the region back to
+    eager, with one warning: the first call already returns eager's values."""
+    from models.layers import swiglu
+    from parallel import compile as regional
+    checks = []
+    real_check = regional.check_region
+    monkeypatch.setattr(regional, "check_region", lambda *a: checks.append(a[1].__name__) or real_check(*a))
+    h1, h3 = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    regional.region.cache_clear()
+    try:
+        run = regional.region(swiglu, "aot_eager")
+        for _ in range(2):
+            assert torch.equal(run(h1, h3), swiglu(h1, h3))
+        assert checks == ["swiglu"] and not [r for r in caplog.records if r.name == "parallel"]
+        lookup = torch._dynamo.lookup_backend
+
+        def wrong(name):
+            good = lookup(name)
+            return lambda gm, inputs, **kw: (lambda *a: [o * 1.5 for o in good(gm, inputs, **kw)(*a)])
+        monkeypatch.setattr(torch._dynamo, "lookup_backend", wrong)
+        regional.region.cache_clear()
+        with caplog.at_level("WARNING", logger="parallel"):
+            run = regional.region(swiglu, "aot_eager")
+            for _ in range(2):
+                out = run(h1, h3)
+                assert torch.equal(out, swiglu(h1, h3))
+            out.sum().backward()
+    finally:
+        regional.region.cache_clear()
+    assert torch.equal(h1.grad, torch.autograd.grad(swiglu(h1, h3).sum(), h1)[0])
+    warned = [r.getMessage() for r in caplog.records if r.name == "parallel"]
+    assert checks == ["swiglu", "swiglu"] and len(warned) == 1
+    assert "swiglu compiled with aot_eager differs from eager (output 0: relative error 0.5 > 0.0001)" in warned[0]
+
+
+def test_a_check_tolerates_rare_index_ties_only():
+    """Integer outputs (a router's top-k) may differ on a few rows (1-ulp ties), and the float outputs are then
+    compared on the other rows; more rows than ``INDEX_MISMATCH``, or a float error past the tolerance, fail."""
+    from parallel.compile import INDEX_MISMATCH, check_region
+    idx, w = torch.arange(1000 * 8).view(1000, 8), torch.rand(1000, 8)
+
+    def eager(x):
+        return idx, w * x
+
+    def flips(n, scale=1.0):
+        def f(x):
+            i, v = idx.clone(), w * x * scale
+            i[:n, 0] += 1
+            v[:n] = 7.0            # whatever those rows hold
+            return i, v
+        return f
+    x = torch.tensor(2.0)
+    assert check_region(flips(5), eager, (x,)) == ""
+    assert "of an integer output's rows differ" in check_region(flips(int(2 * INDEX_MISMATCH * 1000)), eager, (x,))
+    assert "output 1: relative error" in check_region(flips(5, scale=1.01), eager, (x,))
+
+
 def _norm(x, w):
     from models.layers import rms_norm
     return rms_norm(x, w, 1e-6)
