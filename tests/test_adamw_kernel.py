@@ -276,6 +276,7 @@ def test_replicated_bf16_moments_are_kept_and_match_the_native_zero():
     assert isinstance(opt, Replicated) and opt.moments == torch.bfloat16
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the inf gradient, interpreted
 @pytest.mark.parametrize("weights", ["bf16", "fp32"])
 def test_the_finiteness_check_and_the_clip_read_the_gradients_once(monkeypatch, weights):
     """``grads_finite`` then ``step`` (the trainer's order) pass over the gradients once: the clip reuses the
