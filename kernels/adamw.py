@@ -20,7 +20,9 @@ foreach AdamW and 4 more ops (clip, cast of the gradient, cast of the master) ar
 ``triton_adamw_many_(updates, ...)`` is the same update for many tensors in one launch per kind (``launches``:
 the same step count and dtypes): ``_adamw_many_kernel`` reads each tensor's addresses from a table, its programs
 each update ``CHUNK`` elements of one tensor (a map of chunks per tensor list, built once and kept on the device).
-A replicated model's 200-odd parameters take two launches instead of one each.
+A replicated model's 200-odd parameters take two launches instead of one each. No GPU has run it (nor
+``triton_sums_of_squares``) yet: opt-in (``MANY_ENV=1``, ``many_enabled``); by default ``triton_adamw_each_``
+launches ``triton_adamw_`` per tensor.
 
 On CUDA the kernels run once they passed their self-check (``selfcheck.py``); callers ask ``usable(device)``.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -36,6 +39,7 @@ from . import configure, selfcheck
 
 BLOCK = 1024            # elements per program (GPU)
 CHUNK = 16 * BLOCK      # elements per program of the many-tensor kernel (a loop over BLOCKs)
+MANY_ENV = "DSV3_ADAMW_MANY"   # "1": the many-tensor AdamW and the norm's sums (no GPU has run them yet)
 CHECK_TOL = 1e-5        # relative error vs the reference; FP32 reordering (fused multiply-adds) gives ~1e-7
 # BF16 moments: a fused multiply-add can flip an element's BF16 rounding (one flip in the check's 3,149 elements:
 # 6e-5); a wrong kernel is >= 1e-2 off.
@@ -115,6 +119,17 @@ def launches(updates: list[Update]) -> list[list[Update]]:
             key = (u.step, u.grad.dtype, u.exp_avg.dtype, u.exp_avg_sq.dtype, None if u.out is None else u.out.dtype)
             kinds.setdefault(key, []).append(u)
     return list(kinds.values())
+
+
+def many_enabled() -> bool:
+    """Whether the optimizers take the many-tensor kernels on CUDA (``MANY_ENV=1``; module docstring)."""
+    return os.environ.get(MANY_ENV) == "1"
+
+
+def triton_adamw_each_(updates: list[Update], **hyper) -> None:
+    """``triton_adamw_`` on each of ``updates``, a launch per tensor; ``hyper``: ``triton_adamw_many_``'s keywords."""
+    for u in updates:
+        triton_adamw_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, out=u.out, step=u.step, **hyper)
 
 
 def reference_adamw_many_(updates: list[Update], **hyper) -> None:

@@ -16,7 +16,8 @@ region is one or two generated kernels each way. They are the largest share of t
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
 graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
 
-Never wrong: each call that compiles a new graph is checked against eager on its own inputs, on its device
+With ``UNVERIFIED_ENV=1`` (no GPU has run the check yet either), each call that compiles a new graph is checked
+against eager on its own inputs, on its device
 (``check_region``: the outputs, and the inputs' gradients from a seeded random cotangent, within ``CHECK_TOL``;
 integer outputs such as a router's top-k row by row, up to ``INDEX_MISMATCH`` of rows for 1-ulp ties). A graph that
 differs, or fails to compile, sends its region back to eager with one warning line. The check costs one eager and
@@ -69,8 +70,8 @@ def enabled(mode: str, device: torch.device | str) -> bool:
 def region(fn: Callable, backend: str) -> Callable:
     """``fn`` compiled for ``backend``, one per process (``tools.roofline`` replaces this to record a region as
     the one fused kernel it becomes). If dynamo or the backend fails to compile it, one warning line names the
-    region and the error, and ``fn`` runs eagerly from then on: slower, never wrong. Each call that compiled a
-    new graph is then checked against eager on its own inputs (``check_region``: the outputs, and the gradients
+    region and the error, and ``fn`` runs eagerly from then on: slower, never wrong. With ``checking()``, each
+    call that compiled a new graph is then checked against eager on its own inputs (``check_region``: the outputs, and the gradients
     from a random cotangent), on the device it runs on; a wrong graph sends the region back to eager, with one
     warning line naming the region and the error."""
     graphs = [0]
@@ -94,7 +95,7 @@ def region(fn: Callable, backend: str) -> Callable:
                         fn.__name__, backend, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             state["fn"] = fn
             return fn(*args)
-        if graphs[0] != seen and state["fn"] is not fn and not _capturing(args):
+        if graphs[0] != seen and state["fn"] is not fn and checking() and not _capturing(args):
             try:
                 why = check_region(state["fn"], fn, args)
             except Exception as e:   # a check that cannot run vouches for nothing: eager, named in the warning
@@ -106,6 +107,12 @@ def region(fn: Callable, backend: str) -> Callable:
                 return fn(*args)
         return out
     return run
+
+
+def checking() -> bool:
+    """Whether ``region`` checks new graphs (``check_region``): with ``UNVERIFIED_ENV=1``, as the regions it
+    guards; no GPU has run the check yet."""
+    return os.environ.get(UNVERIFIED_ENV) == "1"
 
 
 def _capturing(args) -> bool:

@@ -96,9 +96,10 @@ def sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weights: list
 
 
 def kernel_sums(device: torch.device) -> bool:
-    """Whether ``grad_sq`` sums with the Triton kernel (``kernels.adamw.triton_sums_of_squares``): on CUDA, where
-    the AdamW kernels passed their self-check; elsewhere torch's ``_foreach_norm``."""
-    return device.type == "cuda" and adamw_kernel.usable(device)
+    """Whether ``grad_sq`` sums with the Triton kernel (``kernels.adamw.triton_sums_of_squares``): on CUDA, opted in
+    (``kernels.adamw.MANY_ENV=1``: no GPU has run it yet), where the AdamW kernels passed their self-check;
+    elsewhere torch's ``_foreach_norm``."""
+    return device.type == "cuda" and adamw_kernel.many_enabled() and adamw_kernel.usable(device)
 
 
 def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | None = None,

@@ -225,7 +225,7 @@ def test_fp8_is_refused_with_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("error: train.precision=fp8: the roofline models")
 
 
-def test_adamw_kernel_by_hand():
+def test_adamw_kernel_by_hand(monkeypatch):
     """``Replicated``'s Triton AdamW with BF16 weights: one launch reads each gradient for the norm (an FP64 sum per
     chunk out), then one launch per parameter group (weight, bias) at 2 + 4·4 + 4·3 + 2 = 28 bytes per element; no
     clip multiply, FP32 gradient copy or cast pass."""
@@ -234,6 +234,7 @@ def test_adamw_kernel_by_hand():
     from kernels import adamw
     from parallel.dims import ParallelDims
     from parallel.zero import Replicated
+    monkeypatch.setenv(adamw.MANY_ENV, "1")
     rec = Recorder()
     optim = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -261,10 +262,11 @@ def test_adamw_kernel_by_hand():
         (kernel.bytes + sums.bytes) / rec.hw.bandwidth["elementwise / other"] + 3 * rec.hw.launch_s)
 
 
-def test_v3_small_optimizer_is_the_adamw_kernel():
+def test_v3_small_optimizer_is_the_adamw_kernel(monkeypatch):
     """v3_small's optimizer phase on the Triton AdamW: one launch per parameter group, 20 bytes per parameter (BF16
     moments),
     at most 0.7x torch's fused AdamW with its clip, casts and copy."""
+    monkeypatch.setenv(__import__("kernels.adamw").adamw.MANY_ENV, "1")   # a launch per group (opt-in)
     kernel, mcfg = record_step(compose(["+exp=v3_small"]), 4)
     fp32, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4)
     fused, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4, adamw_kernel=False)

@@ -260,7 +260,8 @@ def adamw_kernel_recorded(recorder: "Recorder"):
     import parallel.data_parallel as dp
     saved = adamw.triton_adamw_, adamw.triton_adamw_many_, adamw.triton_sums_of_squares, adamw.usable, dp.kernel_sums
     adamw.triton_adamw_, adamw.triton_adamw_many_, adamw.triton_sums_of_squares = launch, launch_many, sums
-    adamw.usable = dp.kernel_sums = lambda device: True
+    adamw.usable = lambda device: True
+    dp.kernel_sums = lambda device: adamw.many_enabled()
     try:
         yield
     finally:

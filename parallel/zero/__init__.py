@@ -80,8 +80,9 @@ class Replicated:
 
     The update, on CUDA (``kernel``, default ``triton_adamw``): the global gradient norm in one fused pass over
     the gradients as they are (shared with ``grads_finite``), the clip coefficient as a device scalar, then the
-    Triton AdamW, one launch per parameter group over all its parameters, reading each gradient once, updating
-    master and moments, and writing the BF16 weight (``kernels/adamw.py``: ``triton_adamw_many_``). Elsewhere,
+    Triton AdamW, one launch per parameter (with ``kernels.adamw.MANY_ENV=1``, per parameter group:
+    ``triton_adamw_many_``), reading each gradient once, updating master and moments, and writing the BF16 weight
+    (``kernels/adamw.py``). Elsewhere,
     and where the kernel failed its self-check: clip, ``torch.optim.AdamW`` (fused on CUDA, ``fused_adamw``), then
     the master cast into the BF16 parameters in one grouped copy.
     ``kernel=True`` forces the Triton path (the interpreter on CPU: tests).
@@ -140,9 +141,7 @@ class Replicated:
             sq = grad_sq(self.model, self.grad_weight, self.named, grads)
             self._sq = (sq, [(g, g._version) for g in grads if g is not None])
             return torch.isfinite(sq[0] + sq[1])
-        grads = list(self.fp32_grads.grads.values()) if self.fp32_grads is not None else \
-            [p.grad for _, p in self.params if p.grad is not None]
-        return all_finite(grads, next(self.model.parameters()).device)
+        return all_finite([g for g in self._held() if g is not None], next(self.model.parameters()).device)
 
     def _held(self) -> list[torch.Tensor | None]:
         """The gradient of each of ``self.named`` as held now (what ``_take_grads`` will hand ``step``)."""
@@ -166,8 +165,8 @@ class Replicated:
             sync_gradients(self.model, self.dims, self.named)
             grads = [t.grad for _, t in self.named]
         if kernel or self.moments != torch.float32:
-            return self._own_step(grads, max_norm, adamw_kernel.triton_adamw_many_ if kernel else
-                                  adamw_kernel.reference_adamw_many_)
+            triton = adamw_kernel.triton_adamw_many_ if adamw_kernel.many_enabled() else adamw_kernel.triton_adamw_each_
+            return self._own_step(grads, max_norm, triton if kernel else adamw_kernel.reference_adamw_many_)
         if self.dims.world_size > 1:
             norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight, self.named)
         else:
@@ -192,8 +191,8 @@ class Replicated:
 
     @torch.no_grad()
     def _own_step(self, grads: list[torch.Tensor | None], max_norm: float, update: Callable) -> torch.Tensor:
-        """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: one launch per parameter
-        group and kind, ``kernels.adamw.launches``; or its torch reference) of the parameters with a gradient
+        """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: a launch per parameter, or
+        per parameter group and kind, ``kernels.adamw.launches``; or its torch reference) of the parameters with a gradient
         (``torch.optim.AdamW`` skips the others too), their step counts advanced on the host."""
         norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads, sq=self._held_sq(grads))
         coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
