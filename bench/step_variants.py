@@ -7,7 +7,8 @@ the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 momen
 moments became the default), G and H: C and D with their forward and backward replayed from a CUDA graph
 (``train.cuda_graph``, the trainer's default for G), I G at batch 8, J and K H with an opt-in kernel:
 ``quant_act_both``, the weights' transpose kernel, L and M G with opt-in paths: the compiled regions no GPU has
-run (and their check), AdamW and the norm in a launch per group. All with the fused head (``train.head_loss=fused``), batch
+run (and their check), AdamW and the norm in a launch per group. All with the fused head
+(``train.head_loss=fused``), batch
 4 x 2048 unless stated, random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the
 host's enqueue time (a step whose host time is close to its wall time is host-bound), MFU, tokens/s, peak memory,
 loss, the top GPU kernels of one profiled step, and with ``--host-profile N`` the N functions with the most own

@@ -71,7 +71,8 @@ def region(fn: Callable, backend: str) -> Callable:
     """``fn`` compiled for ``backend``, one per process (``tools.roofline`` replaces this to record a region as
     the one fused kernel it becomes). If dynamo or the backend fails to compile it, one warning line names the
     region and the error, and ``fn`` runs eagerly from then on: slower, never wrong. With ``checking()``, each
-    call that compiled a new graph is then checked against eager on its own inputs (``check_region``: the outputs, and the gradients
+    call that compiled a new graph is then checked against eager on its own inputs (``check_region``: the
+    outputs, and the gradients
     from a random cotangent), on the device it runs on; a wrong graph sends the region back to eager, with one
     warning line naming the region and the error."""
     graphs = [0]

@@ -13,7 +13,8 @@ decomposition.
 Predicted time on an H100, per op: ``max(FLOPs / rate of its class, bytes / bandwidth of its class)`` plus a
 per-launch cost; the constants (``H100``) and where each comes from are listed in ``H100.sources``. The report
 prints per phase, per op class and for the ``--top N`` costliest ops (each per phase): calls, FLOPs, bytes,
-launches, syncs and predicted ms; its last line is ``predicted step: <ms> ms on H100 (<mfu> % MFU)``, MFU against the dense BF16 peak (989 TFLOP/s) with the model
+launches, syncs and predicted ms; its last line is ``predicted step: <ms> ms on H100 (<mfu> % MFU)``, MFU
+against the dense BF16 peak (989 TFLOP/s) with the model
 FLOPs of ``models.params.flops_per_token``.
 
 Batch: ``train.micro_batch_size`` x ``data.seq_len`` tokens per micro-batch, ``--micro-batches N`` of them per step

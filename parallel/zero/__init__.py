@@ -192,7 +192,8 @@ class Replicated:
     @torch.no_grad()
     def _own_step(self, grads: list[torch.Tensor | None], max_norm: float, update: Callable) -> torch.Tensor:
         """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: a launch per parameter, or
-        per parameter group and kind, ``kernels.adamw.launches``; or its torch reference) of the parameters with a gradient
+        per parameter group and kind, ``kernels.adamw.launches``; or its torch reference) of the parameters with a
+        gradient
         (``torch.optim.AdamW`` skips the others too), their step counts advanced on the host."""
         norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads, sq=self._held_sq(grads))
         coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
