@@ -17,29 +17,17 @@ recompiling. Bytes per element: the gradient read once, master and moments read 
 written once (28 B with a BF16 gradient, FP32 moments and a BF16 ``out``), against ~20 passes for torch's
 foreach AdamW and 4 more ops (clip, cast of the gradient, cast of the master) around torch's fused one.
 
-``triton_adamw_many_(updates, ...)`` is the same update for many tensors in one launch per kind (``launches``:
-the same step count and dtypes): ``_adamw_many_kernel`` reads each tensor's addresses from a table, its programs
-each update ``CHUNK`` elements of one tensor (a map of chunks per tensor list, built once and kept on the device).
-A replicated model's 200-odd parameters take two launches instead of one each. No GPU has run it (nor
-``triton_sums_of_squares``) yet: opt-in (``MANY_ENV=1``, ``many_enabled``); by default ``triton_adamw_each_``
-launches ``triton_adamw_`` per tensor.
-
-On CUDA the kernels run once they passed their self-check (``selfcheck.py``); callers ask ``usable(device)``.
+On CUDA the kernel runs once it passed its self-check (``selfcheck.py``); callers ask ``usable(device)``.
 """
 from __future__ import annotations
 
-import functools
 import math
-import os
-from typing import NamedTuple
 
 import torch
 
 from . import configure, selfcheck
 
 BLOCK = 1024            # elements per program (GPU)
-CHUNK = 16 * BLOCK      # elements per program of the many-tensor kernel (a loop over BLOCKs)
-MANY_ENV = "DSV3_ADAMW_MANY"   # "1": the many-tensor AdamW and the norm's sums (no GPU has run them yet)
 CHECK_TOL = 1e-5        # relative error vs the reference; FP32 reordering (fused multiply-adds) gives ~1e-7
 # BF16 moments: a fused multiply-add can flip an element's BF16 rounding (one flip in the check's 3,149 elements:
 # 6e-5); a wrong kernel is >= 1e-2 off.
@@ -101,130 +89,6 @@ def triton_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         HAS_OUT=out is not None, BLOCK=block, num_warps=4)
 
 
-class Update(NamedTuple):
-    """One tensor's share of ``triton_adamw_many_``: the arguments of ``triton_adamw_`` and its step count."""
-    master: torch.Tensor
-    grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    out: torch.Tensor | None
-    step: int
-
-
-def launches(updates: list[Update]) -> list[list[Update]]:
-    """``updates`` split into the launches of ``triton_adamw_many_``: one per step count and dtypes, in order."""
-    kinds: dict[tuple, list[Update]] = {}
-    for u in updates:
-        if u.master.numel():
-            key = (u.step, u.grad.dtype, u.exp_avg.dtype, u.exp_avg_sq.dtype, None if u.out is None else u.out.dtype)
-            kinds.setdefault(key, []).append(u)
-    return list(kinds.values())
-
-
-def many_enabled() -> bool:
-    """Whether the optimizers take the many-tensor kernels on CUDA (``MANY_ENV=1``; module docstring)."""
-    return os.environ.get(MANY_ENV) == "1"
-
-
-def triton_adamw_each_(updates: list[Update], **hyper) -> None:
-    """``triton_adamw_`` on each of ``updates``, a launch per tensor; ``hyper``: ``triton_adamw_many_``'s keywords."""
-    for u in updates:
-        triton_adamw_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, out=u.out, step=u.step, **hyper)
-
-
-def reference_adamw_many_(updates: list[Update], **hyper) -> None:
-    """``reference_adamw_`` on each of ``updates``; ``hyper``: ``triton_adamw_many_``'s keywords."""
-    for u in updates:
-        reference_adamw_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, out=u.out, step=u.step, **hyper)
-
-
-@torch.no_grad()
-def triton_adamw_many_(updates: list[Update], *, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, coef: torch.Tensor | None = None, chunk: int | None = None) -> None:
-    """``triton_adamw_`` on every one of ``updates`` (one launch per kind: ``launches``); the hyperparameters and
-    ``coef`` are shared; ``chunk``: elements per program (a multiple of ``BLOCK``)."""
-    kern = _kernels()
-    chunk = chunk or CHUNK
-    assert chunk % BLOCK == 0, chunk
-    if coef is not None and coef.dtype != torch.float32:
-        coef = coef.float()
-    for group in launches(updates):
-        device = group[0].master.device
-        for u in group:
-            assert u.master.dtype == torch.float32 and u.master.is_contiguous(), (u.master.dtype, u.master.shape)
-            for t in (u.grad, u.exp_avg, u.exp_avg_sq) + ((u.out,) if u.out is not None else ()):
-                assert t.numel() == u.master.numel() and t.is_contiguous() and t.device == device, (t.shape, t.device)
-        chunk_tensor, chunk_start, numels = _chunk_map(tuple(u.master.numel() for u in group), chunk, str(device))
-        ptrs = torch.tensor([[u.master.data_ptr(), u.grad.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(),
-                              (u.out if u.out is not None else u.master).data_ptr()] for u in group],
-                            dtype=torch.int64).to(device)
-        u = group[0]
-        kern._adamw_many_kernel[(chunk_tensor.numel(),)](
-            ptrs, chunk_tensor, chunk_start, numels, coef if coef is not None else u.master, eps=eps,
-            **_hyper(lr, beta1, beta2, weight_decay, u.step), G_DTYPE=_tl(u.grad.dtype), M_DTYPE=_tl(u.exp_avg.dtype),
-            V_DTYPE=_tl(u.exp_avg_sq.dtype), O_DTYPE=_tl((u.out if u.out is not None else u.master).dtype),
-            HAS_COEF=coef is not None, HAS_OUT=u.out is not None, BLOCK=BLOCK, CHUNK=chunk, num_warps=4)
-
-
-@torch.no_grad()
-def triton_sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weights: list[float], k: int,
-                           chunk: int | None = None) -> torch.Tensor:
-    """``out[j] = Σ_{i: slots[i] = j} weights[i] · ‖tensors[i]‖²`` in FP64 (``k`` values on the tensors' device):
-    the gradient norm's sums (``parallel.data_parallel.grad_sq``) in one launch per dtype and a weighted sum
-    (deterministic: no atomics),
-    where torch's ``_foreach_norm`` takes a launch per few tensors. An inf or nan makes its slot's sum
-    non-finite, and only its slot's. ``tensors``: contiguous, on one device."""
-    kern = _kernels()
-    chunk = chunk or CHUNK
-    assert chunk % BLOCK == 0, chunk
-    device = tensors[0].device
-    out = torch.zeros(k, dtype=torch.float64, device=device)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        assert t.is_contiguous() and t.device == device, (t.shape, t.device)
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
-        numels = tuple(tensors[i].numel() for i in idx)
-        chunk_tensor, chunk_start, numels_d = _chunk_map(numels, chunk, str(device))
-        in_slot, weight = _chunk_weights(numels, tuple(slots[i] for i in idx), tuple(weights[i] for i in idx), k,
-                                         chunk, str(device))
-        ptrs = torch.tensor([tensors[i].data_ptr() for i in idx], dtype=torch.int64).to(device)
-        partial = torch.empty(chunk_tensor.numel(), dtype=torch.float64, device=device)
-        kern._sum_squares_many_kernel[(chunk_tensor.numel(),)](ptrs, chunk_tensor, chunk_start, numels_d, partial,
-                                                               DTYPE=_tl(dtype), BLOCK=BLOCK, CHUNK=chunk, num_warps=4)
-        out += torch.where(in_slot, partial * weight, 0.0).sum(1)   # no atomics: the same bits every run
-    return out
-
-
-@functools.lru_cache(maxsize=32)
-def _chunk_weights(numels: tuple[int, ...], slots: tuple[int, ...], weights: tuple[float, ...], k: int, chunk: int,
-                   device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """For ``triton_sums_of_squares``, on ``device``: whether each program's tensor is in each slot ([k, programs]:
-    a ``where`` then a sum, so an inf in one slot is no NaN in another) and its weight."""
-    counts = torch.tensor([-(-n // chunk) for n in numels])
-    slot = torch.tensor(slots).repeat_interleave(counts)
-    return ((slot == torch.arange(k).unsqueeze(1)).to(device),
-            torch.tensor(weights, dtype=torch.float64).repeat_interleave(counts).to(device))
-
-
-@functools.lru_cache(maxsize=32)
-def _chunk_map(numels: tuple[int, ...], chunk: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The programs of ``_adamw_many_kernel`` for tensors of ``numels``: each one's tensor index and first
-    element, and the numels, on ``device`` (the same parameter list every step: built once)."""
-    counts = torch.tensor([-(-n // chunk) for n in numels])
-    tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-    first = torch.cumsum(counts, 0) - counts
-    start = (torch.arange(len(tensor)) - first.repeat_interleave(counts)) * chunk
-    return tensor.to(device), start.to(device), torch.tensor(numels, dtype=torch.int64).to(device)
-
-
-def _tl(dtype: torch.dtype):
-    """The Triton dtype of a torch one (Triton imported on first use, after ``configure()``)."""
-    import triton.language as tl
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
 def usable(device: torch.device | str) -> bool:
     """Whether the kernel runs on ``device`` by default: a CUDA device where it passed its self-check
     (``verified``); the caller takes its torch path where not."""
@@ -262,38 +126,7 @@ def self_check(device: torch.device) -> float:
             return float("nan")
         scale = 1.0 if moments == torch.float32 else CHECK_TOL / BF16_MOMENT_TOL
         errs += [selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)]
-    return _worst(errs + [_check_many(device)])
-
-
-def _check_many(device: torch.device) -> float:
-    """``self_check``'s measure for ``triton_adamw_many_`` vs ``reference_adamw_many_``: ragged tensors across
-    chunk boundaries (two elements per program's loop), FP32 and BF16 moments in one call (two launches); and for
-    ``triton_sums_of_squares`` vs FP64 sums in torch over the same BF16 and FP32 tensors."""
-    g = torch.Generator().manual_seed(1)
-    sizes = (1, BLOCK - 3, 5 * BLOCK + 77, 2 * BLOCK)
-    runs = []
-    for fn in (reference_adamw_many_, functools.partial(triton_adamw_many_, chunk=2 * BLOCK)):
-        g.manual_seed(1)
-        ups = [Update(torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device, torch.bfloat16),
-                      torch.zeros(n, dtype=md, device=device), torch.zeros(n, dtype=md, device=device),
-                      torch.empty(n, dtype=torch.bfloat16, device=device), 1)
-               for n in sizes for md in (torch.float32, torch.bfloat16)]
-        fn(ups, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, coef=torch.tensor(0.5, device=device))
-        runs.append(ups)
-    errs = []
-    for want, got in zip(*runs):
-        if selfcheck.mismatch(got.out, got.master.to(torch.bfloat16)):
-            return float("nan")
-        scale = 1.0 if got.exp_avg.dtype == torch.float32 else CHECK_TOL / BF16_MOMENT_TOL
-        moments = ((got.exp_avg, want.exp_avg), (got.exp_avg_sq, want.exp_avg_sq))
-        errs += [selfcheck.rel_err(got.master, want.master)] + [selfcheck.rel_err(a, b) * scale for a, b in moments]
-    tensors = [u.grad for u in runs[0]] + [u.master for u in runs[0]]
-    sums = triton_sums_of_squares(tensors, [i % 2 for i in range(len(tensors))], [1.0 + i for i in range(len(tensors))],
-                                  2, chunk=2 * BLOCK)
-    want = torch.zeros(2, dtype=torch.float64, device=device)
-    for i, t in enumerate(tensors):
-        want[i % 2] += (1.0 + i) * t.double().square().sum()
-    return _worst(errs + [selfcheck.rel_err(sums, want)])
+    return _worst(errs)
 
 
 def _worst(errs: list[float]) -> float:

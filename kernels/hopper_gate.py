@@ -43,8 +43,7 @@ TOKENS, HIDDEN, INTER = 4096, 7168, 2048
 EXPERT_TOKENS = (0, 700, 1, 1499, 0, 513, 1300, 83)
 QUANT_KERNELS = ("_cast_kernel", "_quant_act_kernel", "_quant_act_t_kernel", "_quant_weight_kernel",
                  "_quant_act_both_kernel")
-IEEE_KERNELS = ("_adamw_kernel", "_adamw_many_kernel")   # AdamW: torch's maths to FP32 rounding needs IEEE div, sqrt
-OPTIMIZER_KERNELS = IEEE_KERNELS + ("_sum_squares_many_kernel",)
+IEEE_KERNELS = ("_adamw_kernel",)       # the optimizer: torch's AdamW to FP32 rounding needs IEEE div and sqrt
 
 
 @dataclass
@@ -74,7 +73,7 @@ def launches() -> list[Launch]:
 
     from . import _adamw_kernels, gemm, grouped_gemm, quant
 
-    kernels = [getattr(quant, k) for k in QUANT_KERNELS] + [getattr(_adamw_kernels, k) for k in OPTIMIZER_KERNELS]
+    kernels = [getattr(quant, k) for k in QUANT_KERNELS] + [getattr(_adamw_kernels, k) for k in IEEE_KERNELS]
     kernels += [quant._transpose_kernel, gemm._gemm_kernel, grouped_gemm._grouped_gemm_kernel,
                 grouped_gemm._grouped_wgrad_kernel]
     out, name = [], [""]
@@ -141,11 +140,6 @@ def _optimizer_launches(call, meta, n: int) -> None:
          weight_decay=0.1, coef=meta(**f32), out=meta(n), **hyper)
     call("adamw, zero bucket", adamw.triton_adamw_, meta(n, **f32), meta(n, **f32), meta(n), meta(n),
          weight_decay=0.0, **hyper)
-    updates = [adamw.Update(meta(k, **f32), meta(k), meta(k), meta(k), meta(k), hyper["step"]) for k in (n, 1024, 7)]
-    call("adamw, many tensors in one launch", adamw.triton_adamw_many_, updates, weight_decay=0.1, coef=meta(**f32),
-         **{k: v for k, v in hyper.items() if k != "step"})
-    call("gradient norm, sums of squares", adamw.triton_sums_of_squares, [u.grad for u in updates], [0, 1, 0],
-         [1.0, 1.0, 0.5], 2)
 
 
 def _tuned_h100() -> dict:

@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import adamw as adamw_kernel
-
 from .dims import ParallelDims
 from .ep import is_expert_param
 
@@ -73,19 +71,16 @@ def grad_sq(model: nn.Module, weight=None, named: list | None = None,
     grads = [p.grad for _, p in named] if grads is None else grads
     pairs = [(n, g.detach()) for (n, _), g in zip(named, grads) if g is not None]
     device = pairs[0][1].device if pairs else torch.device("cpu")
-    dense, routed = sums_of_squares([g for _, g in pairs], [int(expert[n]) for n, _ in pairs],
-                                    [weight(n) if weight else 1.0 for n, _ in pairs], 2, device)
+    dense, routed = weighted_sq([g for _, g in pairs], [int(expert[n]) for n, _ in pairs],
+                                [weight(n) if weight else 1.0 for n, _ in pairs], 2, device)
     return dense, routed
 
 
-def sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weights: list[float], k: int,
-                    device: torch.device) -> list[torch.Tensor]:
+def weighted_sq(tensors: list[torch.Tensor], slots: list[int], weights: list[float], k: int,
+                device: torch.device) -> list[torch.Tensor]:
     """``k`` FP64 scalars: slot ``j`` is ``Σ weights[i] · ‖tensors[i]‖²`` over the tensors with ``slots[i] = j``.
-    On CUDA the Triton sums (``kernel_sums``: a launch per dtype); elsewhere one fused ``_foreach_norm`` per
-    (slot, weight), accumulated in FP64 (no FP64 copy of a tensor; the squares of any finite FP32 value fit) and
-    scaled by a Python float: nothing travels from the host to the device."""
-    if tensors and kernel_sums(device):
-        return list(adamw_kernel.triton_sums_of_squares([t.contiguous() for t in tensors], slots, weights, k).unbind())
+    One fused ``_foreach_norm`` per (slot, weight), accumulated in FP64 (no FP64 copy of a tensor; the squares of
+    any finite FP32 value fit) and scaled by a Python float: nothing travels from the host to the device."""
     groups: dict[tuple[int, float], list[torch.Tensor]] = {}
     for t, j, w in zip(tensors, slots, weights):
         groups.setdefault((j, w), []).append(t)
@@ -93,13 +88,6 @@ def sums_of_squares(tensors: list[torch.Tensor], slots: list[int], weights: list
     for (j, w), ts in groups.items():
         sq[j] = sq[j] + torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).square().sum() * w
     return sq
-
-
-def kernel_sums(device: torch.device) -> bool:
-    """Whether ``grad_sq`` sums with the Triton kernel (``kernels.adamw.triton_sums_of_squares``): on CUDA, opted in
-    (``kernels.adamw.MANY_ENV=1``: no GPU has run it yet), where the AdamW kernels passed their self-check;
-    elsewhere torch's ``_foreach_norm``."""
-    return device.type == "cuda" and adamw_kernel.many_enabled() and adamw_kernel.usable(device)
 
 
 def grad_norm(model: nn.Module, dims: ParallelDims, weight=None, named: list | None = None,

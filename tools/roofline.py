@@ -233,41 +233,20 @@ def as_on_cuda(fused_adamw: bool = True, adamw_kernel: bool = True):
 @contextlib.contextmanager
 def adamw_kernel_recorded(recorder: "Recorder"):
     """``kernels/adamw.py``'s Triton AdamW as CUDA runs it, recorded instead of run (fake tensors run no Triton):
-    one launch per call (``triton_adamw_``) or per kind of its tensors (``triton_adamw_many_``, its
-    ``launches``) that reads the gradient, master and both moments once and writes master, moments and the BF16
-    weight once (class ``optimizer``); the gradient norm's sums (``triton_sums_of_squares``) as a launch per
-    gradient dtype that reads the gradients, and its weighted sum; their self-check taken as passed."""
+    one launch per call that reads the gradient, master and both moments once and writes master, moments and the
+    BF16 weight once (class ``optimizer``); its self-check taken as passed."""
     from kernels import adamw
 
     def launch(master, grad, exp_avg, exp_avg_sq, *, out=None, **hyper):
         written = (master, exp_avg, exp_avg_sq) + ((out,) if out is not None else ())
         recorder.record("adamw kernel", None, (master, grad, exp_avg, exp_avg_sq), {}, written, 0.0)
 
-    def launch_many(updates, **hyper):
-        for group in adamw.launches(updates):
-            read = [t for u in group for t in (u.master, u.grad, u.exp_avg, u.exp_avg_sq)]
-            written = [t for u in group for t in (u.master, u.exp_avg, u.exp_avg_sq, u.out) if t is not None]
-            recorder.record("adamw kernel", None, read, {}, written, 0.0)
-
-    def sums(tensors, slots, weights, k, chunk=None):
-        out = torch.zeros(k, dtype=torch.float64)
-        for dtype in dict.fromkeys(t.dtype for t in tensors):   # a launch per dtype, then the weighted sum
-            group = [t for t in tensors if t.dtype == dtype]
-            partial = torch.empty(sum(-(-t.numel() // adamw.CHUNK) for t in group), dtype=torch.float64)
-            recorder.record("adamw kernel: sums of squares", None, group, {}, partial, 0.0)
-            out += torch.where(torch.zeros(k, len(partial), dtype=torch.bool), partial * 1.0, 0.0).sum(1)
-        return out
-
-    import parallel.data_parallel as dp
-    saved = adamw.triton_adamw_, adamw.triton_adamw_many_, adamw.triton_sums_of_squares, adamw.usable, dp.kernel_sums
-    adamw.triton_adamw_, adamw.triton_adamw_many_, adamw.triton_sums_of_squares = launch, launch_many, sums
-    adamw.usable = lambda device: True
-    dp.kernel_sums = lambda device: adamw.many_enabled()
+    saved = adamw.triton_adamw_, adamw.usable
+    adamw.triton_adamw_, adamw.usable = launch, lambda device: True
     try:
         yield
     finally:
-        (adamw.triton_adamw_, adamw.triton_adamw_many_, adamw.triton_sums_of_squares, adamw.usable,
-         dp.kernel_sums) = saved
+        adamw.triton_adamw_, adamw.usable = saved
 
 
 # ---- attention as one fused kernel ------------------------------------------------------------------------

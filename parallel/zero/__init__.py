@@ -57,8 +57,8 @@ def fused_adamw(tensors: list[torch.Tensor]) -> bool:
 
 
 def triton_adamw(tensors: list[torch.Tensor]) -> bool:
-    """Whether the optimizers update ``tensors`` with the Triton AdamW (``kernels/adamw.py``: one pass over each
-    tensor, clip coefficient and BF16 weight write included) by default: on CUDA. It still runs only where
+    """Whether the optimizers update ``tensors`` with the Triton AdamW (``kernels/adamw.py``: one pass per
+    parameter, clip coefficient and BF16 weight write included) by default: on CUDA. It still runs only where
     it passed its self-check on the device (``kernels.adamw.usable``); elsewhere the torch path runs."""
     return bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
 
@@ -79,12 +79,11 @@ class Replicated:
     step's gradients (the BF16 one of a single micro-batch, else their FP32 sum).
 
     The update, on CUDA (``kernel``, default ``triton_adamw``): the global gradient norm in one fused pass over
-    the gradients as they are (shared with ``grads_finite``), the clip coefficient as a device scalar, then the
-    Triton AdamW, one launch per parameter (with ``kernels.adamw.MANY_ENV=1``, per parameter group:
-    ``triton_adamw_many_``), reading each gradient once, updating master and moments, and writing the BF16 weight
-    (``kernels/adamw.py``). Elsewhere,
-    and where the kernel failed its self-check: clip, ``torch.optim.AdamW`` (fused on CUDA, ``fused_adamw``), then
-    the master cast into the BF16 parameters in one grouped copy.
+    the gradients as they are (shared with ``grads_finite``), the clip coefficient as a device scalar, then one
+    Triton AdamW launch per parameter that reads the gradient once, updates master and moments, and writes the
+    BF16 weight (``kernels/adamw.py``). Elsewhere, and where the kernel failed its self-check: clip,
+    ``torch.optim.AdamW`` (fused on CUDA, ``fused_adamw``), then the master cast into the BF16 parameters in one
+    grouped copy.
     ``kernel=True`` forces the Triton path (the interpreter on CPU: tests).
 
     ``moments="bf16"`` (``optim.moment_dtype``) keeps both moments in BF16, DeepSeek-V3's recipe (maths in FP32):
@@ -165,8 +164,8 @@ class Replicated:
             sync_gradients(self.model, self.dims, self.named)
             grads = [t.grad for _, t in self.named]
         if kernel or self.moments != torch.float32:
-            triton = adamw_kernel.triton_adamw_many_ if adamw_kernel.many_enabled() else adamw_kernel.triton_adamw_each_
-            return self._own_step(grads, max_norm, triton if kernel else adamw_kernel.reference_adamw_many_)
+            update = adamw_kernel.triton_adamw_ if kernel else adamw_kernel.reference_adamw_
+            return self._own_step(grads, max_norm, update)
         if self.dims.world_size > 1:
             norm = clip_grad_norm(self.model, max_norm, self.dims, self.grad_weight, self.named)
         else:
@@ -191,27 +190,24 @@ class Replicated:
 
     @torch.no_grad()
     def _own_step(self, grads: list[torch.Tensor | None], max_norm: float, update: Callable) -> torch.Tensor:
-        """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: a launch per parameter, or
-        per parameter group and kind, ``kernels.adamw.launches``; or its torch reference) of the parameters with a
-        gradient
-        (``torch.optim.AdamW`` skips the others too), their step counts advanced on the host."""
+        """Norm, clip coefficient (device scalars), then ``update`` (the Triton AdamW: one launch; or its torch
+        reference) per parameter with a gradient (``torch.optim.AdamW`` skips the others too), its step count
+        advanced on the host."""
         norm = grad_norm(self.model, self.dims, self.grad_weight, self.named, grads, sq=self._held_sq(grads))
         coef = clip_coef(norm, max_norm).float() if max_norm > 0 else None
         grad_of = {id(t): g for (_, t), g in zip(self.named, grads)}
         low = {id(m): p for (_, p), (_, m) in zip(self.params, self.named)} if self.fp32_grads is not None else {}
         for group in self.optimizer.param_groups:
-            updates = []
+            beta1, beta2 = group["betas"]
             for t in group["params"]:
                 g = grad_of[id(t)]
                 if g is None:
                     continue
                 state = self.optimizer.state[t]
                 state["step"] += 1
-                updates.append(adamw_kernel.Update(t.data, g.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                                                   low[id(t)].data if id(t) in low else None, int(state["step"])))
-            beta1, beta2 = group["betas"]
-            update(updates, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                   weight_decay=group["weight_decay"], coef=coef)
+                update(t.data, g.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=beta1,
+                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=int(state["step"]),
+                       coef=coef, out=low[id(t)].data if id(t) in low else None)
         return norm
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..data_parallel import all_finite, clip_coef, sums_of_squares
+from ..data_parallel import all_finite, clip_coef, weighted_sq
 from ..dims import ParallelDims
 from kernels import adamw as adamw_kernel
 
@@ -212,7 +212,7 @@ class ZeroOptimizer:
                     pieces.append(b.mine(b.grad, s))
                     weights.append(s.weight)
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
-        sq = sums_of_squares(pieces, [0] * len(pieces), weights, 1, device)[0]   # FP64, no FP64 copy of a piece
+        sq = weighted_sq(pieces, [0] * len(pieces), weights, 1, device)[0]   # FP64, no FP64 copy of a piece
         if d.dp > 1:
             dist.all_reduce(sq, group=d.group("dp"))   # dense pieces over dp; expert pieces over edp x ep
         if d.pp > 1:
