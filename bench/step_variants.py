@@ -6,8 +6,8 @@ B compiled regions with torch's AdamW, C the trainer's settings on CUDA launched
 the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16
 moments became the default), G and H: C and D with their forward and backward replayed from a CUDA graph
 (``train.cuda_graph``, the trainer's default for G), I G at batch 8, J and K H with an opt-in kernel:
-``quant_act_both``, the weights' transpose kernel, L G with the compiled regions no GPU has run (and their
-check). All with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
+``quant_act_both``, the weights' transpose kernel, L G with each new compiled graph checked against eager. All
+with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
 host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
 profiled step, and with ``--host-profile N`` the N functions with the most own host time. Needs CUDA (and
@@ -35,11 +35,10 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
     "J": ("H with one quantiser launch for both copies (DSV3_FUSED_QUANT=1)", "fp8", "auto", "auto", 4, "auto", True),
     "K": ("H with the weights' Dgrad copies from the transpose kernel (DSV3_FP8_TRANSPOSE=1)", "fp8", "auto", "auto",
           4, "auto", True),
-    "L": ("G with the regions no GPU has run yet (DSV3_COMPILE_UNVERIFIED=1)", "bf16", "auto", "auto", 4, "auto", True),
+    "L": ("G with the compiled regions' check (DSV3_COMPILE_CHECK=1)", "bf16", "auto", "auto", 4, "auto", True),
 }
-# Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.UNVERIFIED_ENV), restored
-# after it
-ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "1"}, "L": {"DSV3_COMPILE_UNVERIFIED": "1"}}
+# Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
+ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "1"}, "L": {"DSV3_COMPILE_CHECK": "1"}}
 
 
 @contextlib.contextmanager

@@ -3,25 +3,23 @@ chains as generated kernels, the rest of the forward as written.
 
 Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
-(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers) and each
-attention's rotation and concatenation of its query and key heads (``models.layers.rope_heads``, ``MLA.rope_heads``).
-Regions no GPU has run yet are opt-in (``DSV3_COMPILE_UNVERIFIED=1``, or ``apply_compile(unverified=True)``):
-each attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
-``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``, in place of the
-rotation alone), each router's selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid,
-group and expert top-k's, normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each
-MoE layer's balance loss and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
+(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
+attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
+``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``), each router's
+selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert top-k's,
+normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each MoE layer's balance loss
+and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
 In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
 region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a
 graph, and the same regions serve ``Block.forward`` and the pipeline's piecewise F&B.
 
-With ``UNVERIFIED_ENV=1`` (no GPU has run the check yet either), each call that compiles a new graph is checked
-against eager on its own inputs, on its device
-(``check_region``: the outputs, and the inputs' gradients from a seeded random cotangent, within ``CHECK_TOL``;
-integer outputs such as a router's top-k row by row, up to ``INDEX_MISMATCH`` of rows for 1-ulp ties). A graph that
-differs, or fails to compile, sends its region back to eager with one warning line. The check costs one eager and
-one compiled run per new graph (a handful per region), never inside a CUDA graph's capture.
+With ``CHECK_ENV=1`` each call that compiles a new graph is checked against eager on its own inputs, on its device
+(``check_region``: the outputs, and the inputs' gradients from a seeded random cotangent, within ``CHECK_TOL`` of
+the least precise float type involved; integer outputs such as a router's top-k row by row, up to
+``INDEX_MISMATCH`` of rows for 1-ulp ties). A graph that differs, or fails to compile, sends its region back to
+eager with one warning line. The check costs one eager and one compiled run per new graph (a handful per region),
+never inside a CUDA graph's capture.
 
 Modes (``MODES``): ``auto`` compiles on CUDA and leaves the CPU eager (inductor's CPU code is not faster for
 the tiny models run there, and its first compile costs seconds); ``on`` compiles on any device; ``off`` never.
@@ -45,13 +43,13 @@ import torch
 from torch import nn
 
 from models.attention import MLA, key_value_heads, query_heads
-from models.layers import RMSNorm, SwiGLU, rms_norm, rope_heads, swiglu
+from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
 from models.moe import LocalDispatcher, MoE, balance_and_load, select_experts, unsort_and_weight
 
 log = logging.getLogger("parallel")
 
 MODES = ("auto", "on", "off")   # train.compile
-UNVERIFIED_ENV = "DSV3_COMPILE_UNVERIFIED"   # "1": also the regions no GPU has run yet (module doc)
+CHECK_ENV = "DSV3_COMPILE_CHECK"   # "1": every new graph checked against eager (module doc)
 # Graphs a region may keep (dynamo's recompile limit, 8 by default): a norm sees 3 widths (model, q and kv latents),
 # BF16 and FP32 inputs, training and no-grad evaluation, and batch shapes; past the limit dynamo runs it eagerly.
 RECOMPILE_LIMIT = 64
@@ -111,9 +109,8 @@ def region(fn: Callable, backend: str) -> Callable:
 
 
 def checking() -> bool:
-    """Whether ``region`` checks new graphs (``check_region``): with ``UNVERIFIED_ENV=1``, as the regions it
-    guards; no GPU has run the check yet."""
-    return os.environ.get(UNVERIFIED_ENV) == "1"
+    """Whether ``region`` checks new graphs (``check_region``): with ``CHECK_ENV=1``."""
+    return os.environ.get(CHECK_ENV) == "1"
 
 
 def _capturing(args) -> bool:
@@ -121,11 +118,22 @@ def _capturing(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) and torch.cuda.is_current_stream_capturing()
 
 
-def _tol(dtype: torch.dtype) -> float:
-    """How far a compiled region's float result may be from eager's (norm-wise): FP32 to rounding (a different
-    order of the same sums), 16-bit within a few roundings (inductor rounds once where eager rounds per op); a wrong
-    kernel is off by ~1."""
-    return CHECK_TOL.get(dtype, CHECK_TOL[torch.bfloat16])
+def _tol(dtypes) -> float:
+    """How far a compiled region's float result may be from eager's (norm-wise), for the least precise of
+    ``dtypes`` (the region's float inputs and outputs, and autocast's type where it is on): FP32 to rounding (a
+    different order of the same sums), 16-bit within a few roundings (inductor rounds once where eager rounds per
+    op, and an FP32 result from 16-bit inputs carries their rounding); a wrong kernel is off by ~1."""
+    return max(CHECK_TOL.get(d, CHECK_TOL[torch.bfloat16]) for d in dtypes)
+
+
+def _float_types(args: tuple, outs: list) -> set[torch.dtype]:
+    """The float types a region computes in: its tensors' and, under autocast on their device, autocast's."""
+    tensors = [t for t in (*args, *outs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    types = {t.dtype for t in tensors}
+    device = tensors[0].device.type if tensors else "cpu"
+    if torch.is_autocast_enabled(device):
+        types.add(torch.get_autocast_dtype(device))
+    return types
 
 
 CHECK_TOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -149,6 +157,7 @@ def check_region(compiled_fn: Callable, fn: Callable, args: tuple) -> str:
                 if grad and pairs and leaves else []
             runs.append((outs, [g for g in grads if g is not None]))
     (want, dwant), (got, dgot) = runs
+    tol = _tol(_float_types(args, want))
     same = None
     for w, g in zip(want, got):
         if not w.is_floating_point():
@@ -161,9 +170,9 @@ def check_region(compiled_fn: Callable, fn: Callable, args: tuple) -> str:
             if same is not None and w.dim() and len(w) == len(same):
                 w, g = w[same], g[same]
             err = ((w.double() - g.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
-            if not err <= _tol(w.dtype):
+            if not err <= tol:
                 return f"{'output' if i < len(want) else 'gradient'} {i if i < len(want) else i - len(want)}: " \
-                       f"relative error {err:.3g} > {_tol(w.dtype):g}"
+                       f"relative error {err:.3g} > {tol:g}"
     return ""
 
 
@@ -185,8 +194,8 @@ FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
 
 class Region:
     """A function run as a compiled region (``region(fn, backend)``, looked up at each call), for the places
-    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``rope_heads`` (or
-    ``query_heads`` and ``kv_heads``), the router's ``select``, the MoE layer's ``balance_terms``."""
+    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``query_heads`` and
+    ``kv_heads``, the router's ``select``, the MoE layer's ``balance_terms``."""
 
     def __init__(self, fn: Callable, backend: str):
         self.fn, self.backend = fn, backend
@@ -202,27 +211,21 @@ def _weighing(m: nn.Module) -> bool:
     return isinstance(m, MoE) and isinstance(m.dispatcher, (LocalDispatcher, AllToAllDispatcher))
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor", unverified: bool | None = None) -> list[str]:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
     its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the MoE combines'
-    ``weigh`` and the attentions' ``rope_heads``, in place; with ``unverified`` (default: ``UNVERIFIED_ENV=1``)
-    the attentions' whole ``query_heads`` and ``kv_heads`` instead of ``rope_heads``, the routers' ``select`` and
-    the MoE layers' ``balance_terms`` too. Returns the compiled modules' (and functions') names. Idempotent."""
-    if unverified is None:
-        unverified = os.environ.get(UNVERIFIED_ENV) == "1"
+    ``weigh``, the attentions' ``query_heads`` and ``kv_heads``, the routers' ``select`` and the MoE layers'
+    ``balance_terms``, in place. Returns the compiled modules' (and functions') names. Idempotent."""
     classes: dict[tuple[type, str], type] = {}
     names = []
     for name, m in model.named_modules():
         if _weighing(m):
             m.dispatcher.weigh = Region(unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
-        if isinstance(m, MLA) and unverified:
+        if isinstance(m, MLA):
             m.query_heads, m.kv_heads = Region(query_heads, backend), Region(key_value_heads, backend)
             names += [f"{name}.query_heads", f"{name}.kv_heads"]
-        elif isinstance(m, MLA):
-            m.rope_heads = Region(rope_heads, backend)
-            names.append(f"{name}.rope_heads")
-        if isinstance(m, MoE) and unverified:
+        if isinstance(m, MoE):
             m.gate.select = Region(select_experts, backend)
             m.balance_terms = Region(balance_and_load, backend)
             names += [f"{name}.gate.select", f"{name}.balance_terms"]
@@ -248,10 +251,10 @@ def compiled(model: nn.Module) -> list[str]:
         [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
          if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MLA)
-         for attr in ("query_heads", "kv_heads", "rope_heads") if isinstance(m.__dict__.get(attr), Region)] + \
+         for attr in ("query_heads", "kv_heads") if isinstance(m.__dict__.get(attr), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)
          for attr, owner in (("gate.select", m.gate), ("balance_terms", m))
          if isinstance(owner.__dict__.get(attr.rsplit(".", 1)[-1]), Region)]
 
 
-__all__ = ["MODES", "UNVERIFIED_ENV", "Region", "apply_compile", "compiled", "enabled", "region"]
+__all__ = ["CHECK_ENV", "MODES", "Region", "apply_compile", "compiled", "enabled", "region"]
