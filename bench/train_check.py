@@ -280,19 +280,22 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
 
 
 def profile_step(step, dev, step_s: float, top: int = 80) -> dict:
-    """One more ``step`` under ``torch.profiler``: the ``top`` GPU kernels by total time (name, calls, ms, share)
-    and the GPU-busy fraction (summed kernel time over the un-profiled median ``step_s``; streams that overlap
-    count twice). Off CUDA, or when the profiler fails: ``{"error": ...}``."""
+    """One more ``step`` under ``torch.profiler``: the ``top`` GPU kernels by total time (name, calls, ms, share),
+    the GPU-busy fraction (summed kernel time over the un-profiled median ``step_s``; streams that overlap count
+    twice), and ``ops``: the torch ops whose own kernels took the most GPU time, with their input shapes and the
+    repository's frames that called them (``op_rows``; a step replayed from a CUDA graph runs no op there, so only
+    its eager parts appear). Off CUDA, or when the profiler fails: ``{"error": ...}``."""
     import torch
     if dev.type != "cuda":
         return {"error": "no CUDA"}
     try:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize(dev)
+        try:
+            prof, ops_error = _profiled(step, dev, stacks=True), None
+        except Exception as e:  # noqa: BLE001 - without the ops' stacks the kernels still count
+            prof, ops_error = _profiled(step, dev, stacks=False), f"{type(e).__name__}: {e}"
         kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
                    and e.self_device_time_total > 0]
+        ops = [] if ops_error else op_rows(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES))
     except Exception as e:  # noqa: BLE001 - the profile is an extra; the step's figures stand without it
         return {"error": f"{type(e).__name__}: {e}"}
     busy_us = sum(e.self_device_time_total for e in kernels)
@@ -300,7 +303,61 @@ def profile_step(step, dev, step_s: float, top: int = 80) -> dict:
     rows = [(e.key[:90], e.count, e.self_device_time_total / 1e3, e.self_device_time_total / busy_us)
             for e in kernels[:top]]
     return {"busy_ms": busy_us / 1e3, "busy_fraction": busy_us / 1e6 / step_s, "launches": sum(e.count for e in kernels),
-            "top": rows}
+            "top": rows, "ops": ops, **({"ops_error": ops_error} if ops_error else {})}
+
+
+def _profiled(step, dev, stacks: bool):
+    """One ``step`` under ``torch.profiler``: its CUDA kernels, and with ``stacks`` the host ops with their input
+    shapes and Python stacks too."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    extra = dict(record_shapes=True, with_stack=True, experimental_config=stack_config()) if stacks else {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if stacks else [ProfilerActivity.CUDA],
+                 **extra) as prof:
+        step()
+        torch.cuda.synchronize(dev)
+    return prof
+
+
+OP_FRAMES = 12   # Python frames kept per op event; ``op_rows`` shows the repository's among them
+
+
+def stack_config():
+    """The profiler setting that attaches Python stacks to op events (``with_stack`` alone leaves them empty)."""
+    import torch
+    return torch._C._profiler._ExperimentalConfig(verbose=True)
+
+
+def op_rows(events, top: int = 40, time_of=None) -> list[tuple[str, str, str, int, float]]:
+    """The ``top`` host-side op events (``torch.profiler`` averages grouped by input shape and stack) by the GPU
+    time of their own kernels (``time_of(event)``, µs): (op, input shapes, the Tensor method and the calling frames
+    inside this repository, innermost first, calls, ms). Which op launched a kernel, and from which line, is what
+    the kernel table cannot say (a ``direct_copy`` kernel is any of ``copy_``, ``contiguous``, ``clone``, ``to``)."""
+    import torch
+    time_of = time_of or (lambda e: e.self_device_time_total)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and time_of(e) > 0]
+    cpu.sort(key=time_of, reverse=True)
+    return [(e.key, str(e.input_shapes)[:80], _callers(e.stack or [])[:160], e.count, time_of(e) / 1e3)
+            for e in cpu[:top]]
+
+
+def _callers(stack: list[str]) -> str:
+    """``contiguous() < models/moe.py(88): combine < ...``: the first Tensor method, then this repository's frames
+    (not bench's, which only drive the step, nor a virtual environment's); frames name files as imported, absolute
+    or from the working directory."""
+    method = next((f.split()[2] + "()" for f in stack if f.startswith("<built-in method ")), None)
+    ours = []
+    for f in stack:
+        path = Path(f.split("(", 1)[0])
+        if f.startswith("<") or path.suffix != ".py" or not path.exists():
+            continue
+        try:
+            rel = path.resolve().relative_to(ROOT)
+        except ValueError:
+            continue
+        if rel.parts[0] != "bench" and not any(p.startswith(".") or p == "site-packages" for p in rel.parts):
+            ours.append(f"{rel.as_posix()}{f[len(str(path)):]}")
+    return " < ".join(([method] if method else []) + ours)
 
 
 def host_profile_step(step, dev, top: int) -> str:

@@ -20,3 +20,31 @@ def test_every_variant_is_complete_and_j_sets_the_fused_quantiser_only_inside(mo
         assert os.environ[FUSED_ENV] == "1"
     assert os.environ[FUSED_ENV] == "0"
     assert sv.main(["--variants", "J"]) == 2   # no CUDA here: one line, exit 2
+
+
+def _layout_change(x):
+    return (x @ x).t().contiguous()
+
+
+def test_op_rows_name_the_op_its_shapes_and_the_calling_line():
+    """``bench.train_check.op_rows`` on a real profile (CPU time standing in for the GPU's): the copy that
+    ``contiguous`` makes is named with its input shape, the Tensor method and this file's calling line."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.train_check import OP_FRAMES, op_rows, stack_config
+    x = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,
+                 experimental_config=stack_config()) as prof:
+        _layout_change(x)
+    rows = op_rows(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES),
+                   time_of=lambda e: e.self_cpu_time_total)
+    ops = {r[0]: r for r in rows}
+    assert {"aten::mm", "aten::clone"} <= set(ops), rows
+    op, shapes, where, calls, ms = ops["aten::clone"]
+    assert shapes == "[[256, 256], []]" and calls == 1 and ms > 0
+    method, line, *outer = where.split(" < ")
+    assert method == "contiguous()" and line.startswith("tests/test_step_variants.py(") and \
+        line.endswith("): _layout_change"), where
+    assert all(f.startswith("tests/") for f in outer), where   # pytest's own frames are not the repository's
+    assert ops["aten::mm"][2].split(" < ")[0] == line, ops["aten::mm"]
