@@ -66,10 +66,16 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> float
 
 
 EXTRA_FLOPS = {"aten._grouped_mm": grouped_mm_flops}
+SORTS = {"aten.sort", "aten.topk", "aten.argsort"}
+INDEX_PUT = {"aten.index_put", "aten.index_put_", "aten._index_put_impl_"}
 
 
-def op_class(name: str) -> str:
-    """The class an op's rate and bandwidth come from."""
+def op_class(name: str, args: tuple = (), kwargs: dict | None = None) -> str:
+    """The class an op's rate and bandwidth come from (``args``: an index write's ``accumulate``)."""
+    if name in SORTS:
+        return "sort / top-k"
+    if name in INDEX_PUT and (kwargs or {}).get("accumulate", len(args) > 3 and bool(args[3])):
+        return "accumulating index write"
     if name in GEMM:
         return "gemm"
     if name == "aten._grouped_mm":
@@ -97,7 +103,8 @@ class Hardware:
     rates: dict = field(default_factory=lambda: {"gemm": 700e12, "grouped gemm": 600e12, "attention": 300e12})
     bandwidth: dict = field(default_factory=lambda: {"copy / cast": 2.7e12, "optimizer (foreach)": 2.7e12,
                                                       "softmax / loss": 2.7e12, "elementwise / other": 2.7e12,
-                                                      "compiled elementwise": 2.7e12})
+                                                      "compiled elementwise": 2.7e12, "sort / top-k": 34e9,
+                                                      "accumulating index write": 0.83e12})
     launch_s: float = 6.7e-6
     sources: tuple = ()
 
@@ -109,6 +116,11 @@ H100 = Hardware(sources=(
     "attention 300 TFLOP/s: an assumption (no attention kernel was timed); FlashAttention-2-class kernels reach "
     "~35 % of the BF16 peak at head dims 96/64",
     "bandwidth 2.7 TB/s: a device-to-device copy in the suite, 2,637-2,938 GB/s (read + write)",
+    "sort / top-k 34 GB/s of their tensors' bytes: the present default's 12-layer step on an H100, profiled "
+    "(docs/benchmarks.md): 36 top-k's (gatherTopK + bitonicSort, 2.87 ms) and 12 radix sorts (0.53 ms of 37 at 44 us) "
+    "over 0.106 GB, launches apart",
+    "accumulating index write 0.83 TB/s: the same profile: 12 index_put(accumulate=True) backward writes, "
+    "indexing_backward 1.97 ms + a radix sort each (0.53 ms), over 2.02 GB, launches apart",
     "launch 6.7 us: the first H100 run's profile of the 4-layer v3_small step (../shared/gpu/, "
     "profile_v3small_4layers_bf16.txt), (wall 141.3 ms - GPU kernel "
     "time 126.6 ms) / 2,191 launches; replayed from a CUDA graph (train.cuda_graph) the 12-layer step leaves "
@@ -177,8 +189,8 @@ class Recorder(TorchDispatchMode):
                     fn = flop_registry.get(packet) if packet is not None else None
                     flops = fn(*args, **kwargs, out_val=out) if fn is not None else 0.0
             s.flops = flops
-            s.seconds = self.seconds(op_class(name), s)
-        self.stats[(self.phase, op_class(name), name)].add(s)
+            s.seconds = self.seconds(op_class(name, args, kwargs), s)
+        self.stats[(self.phase, op_class(name, args, kwargs), name)].add(s)
 
     def seconds(self, cls: str, s: Stat) -> float:
         compute = s.flops / self.hw.rates[cls] if cls in self.hw.rates else 0.0
