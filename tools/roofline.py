@@ -344,8 +344,9 @@ def fused_cross_entropy(recorder: Recorder):
         head_loss.cross_entropy = original
 
 
-# Ops inductor leaves to torch's own kernels inside a region (``topk``: unless ``decompose_sort_ops``).
-REGION_EXTERN = {"aten.topk"} | GEMM
+# Ops inductor leaves to torch's own kernels inside a region (``topk``, ``sort``: unless ``decompose_sort_ops``; the
+# H100 profile of the default step counted a radix sort for each combine region's argsort when it had one).
+REGION_EXTERN = {"aten.topk", "aten.sort"} | GEMM
 
 
 class _CompiledRegion(torch.autograd.Function):
