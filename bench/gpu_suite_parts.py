@@ -327,7 +327,8 @@ def part_trainer(ctx: Ctx, part: Part) -> None:
         part.notes.append(f"the GPU runs with `{' '.join(ctx.args.trainer_overrides)}`")
     part.notes.append(f"{steps} steps of `python -m trainer +exp=tiny` (batch 16 x 128 tokens), W&B disabled, no "
                       f"checkpoint; every run starts from the same weights (drawn on the CPU). Tolerances "
-                      f"(relative): {gpu} fp32 step 1 <= {FP32_TOL.first_rel:.0e}, any step <= {FP32_TOL.step_rel:.0%}, "
+                      f"(relative): {gpu} fp32 step 1 <= {FP32_TOL.first_rel:.0e}, each of the first "
+                      f"{FP32_TOL.step_until} steps (the warm-up) <= {FP32_TOL.step_rel:.1%}, "
                       f"last {FP32_TOL.tail} <= {FP32_TOL.tail_rel:.1%}; bf16/fp8 step 1 <= {tol.first_rel:.0%}, any step "
                       f"<= {tol.step_rel:.0%}, mean of the last {tol.tail} <= {tol.tail_rel:.0%}; every run's loss must "
                       f"fall >= {tol.min_drop:.0%}; see bench/train_check.py.")

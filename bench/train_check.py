@@ -8,7 +8,7 @@ with ``compare_losses`` against the CPU FP32 run.
 
 ``models.build`` draws the weights on the CPU for every device, so the CUDA runs start from exactly the
 CPU run's weights. A CUDA FP32 run must then track the CPU FP32 run closely (``FP32_TOL``: only kernel
-rounding differs; TF32 is off by default). BF16/FP8 change the rounding, so they get ``LossTol``, which
+rounding differs; TF32 is off by default; step by step through the warm-up, where rounding is not yet amplified). BF16/FP8 change the rounding, so they get ``LossTol``, which
 was calibrated conservatively, before the shared init, on runs with different init draws. Measured on
 CPU against an FP32 run, 40 tiny steps: three FP32
 runs that differ only in the init draw, BF16 autocast from the same init, BF16 from another init, and the
@@ -49,15 +49,22 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class LossTol:
     first_rel: float = 0.01     # step-1 loss (≈ ln V at init, whatever the init draw)
-    step_rel: float = 0.06      # any single step
+    step_rel: float = 0.06      # any single step (of the first ``step_until``, when set)
     tail_rel: float = 0.03      # mean over the last ``tail`` steps
     tail: int = 10
     min_drop: float = 0.10      # each run's last-``tail`` mean must be this fraction under its first loss
+    step_until: int | None = None
 
 
-# CUDA FP32 vs CPU FP32 from the same weights: one forward differs only by kernel rounding (~1e-6), and
-# 40 AdamW steps amplify it; 1e-4 at step 1 and 1 % per step still catch any real CUDA-path difference.
-FP32_TOL = LossTol(first_rel=1e-4, step_rel=0.01, tail_rel=0.005)
+# The tiny runs' learning-rate warm-up (steps; passed to every run by ``tiny_overrides``).
+TINY_WARMUP = 15
+# CUDA FP32 vs CPU FP32 from the same weights: one forward differs only by kernel rounding (~1e-6). Through the
+# warm-up every step stays within 0.01 % (six CUDA runs of different paths on an H100); past it, near the peak
+# learning rate, the tiny run amplifies rounding into excursions of 0.03 % to 3.4 % at one step, which path took
+# which rounding deciding (the optimizer paths agree to 1e-7 on the same gradients:
+# docs/log/2026-11-27-h100-regions-adamw-bisect.md). So: step 1 within 1e-4, every warm-up step within 0.1 %, the
+# mean of the last 10 within 0.5 %.
+FP32_TOL = LossTol(first_rel=1e-4, step_rel=0.001, tail_rel=0.005, step_until=TINY_WARMUP)
 
 
 def _rel(a: float, b: float) -> float:
@@ -66,7 +73,8 @@ def _rel(a: float, b: float) -> float:
 
 def compare_losses(ref: list[float], got: list[float], tol: LossTol = LossTol()) -> dict:
     """Compare per-step losses ``got`` with the reference run ``ref``. Returns ``ok`` plus the figures
-    (``first_rel``, ``max_step_rel`` at ``max_step``, ``tail_rel``, ``drop`` of ``got``) and ``reasons``."""
+    (``first_rel``, ``max_step_rel`` at ``max_step`` over all steps, ``tail_rel``, ``drop`` of ``got``) and
+    ``reasons`` (the per-step rule over the first ``tol.step_until`` steps, when set)."""
     out = {"steps": len(got), "first_rel": None, "max_step_rel": None, "max_step": None, "tail_rel": None,
            "drop": None, "reasons": []}
     reasons = out["reasons"]
@@ -83,13 +91,16 @@ def compare_losses(ref: list[float], got: list[float], tol: LossTol = LossTol())
         return out
     rels = [_rel(g, r) for g, r in zip(got[:n], ref[:n])]
     worst = max(range(n), key=rels.__getitem__)
+    ruled = min(n, tol.step_until or n)
+    worst_ruled = max(range(ruled), key=rels.__getitem__)
     tail_got, tail_ref = statistics.fmean(got[n - tol.tail:n]), statistics.fmean(ref[n - tol.tail:n])
     out.update(first_rel=rels[0], max_step_rel=rels[worst], max_step=worst + 1, tail_rel=_rel(tail_got, tail_ref),
                drop=1.0 - tail_got / got[0])
     if out["first_rel"] > tol.first_rel:
         reasons.append(f"step 1 differs by {out['first_rel']:.2%} (> {tol.first_rel:.0%})")
-    if out["max_step_rel"] > tol.step_rel:
-        reasons.append(f"step {worst + 1} differs by {out['max_step_rel']:.2%} (> {tol.step_rel:.0%})")
+    if rels[worst_ruled] > tol.step_rel:
+        within = f" within the first {ruled} steps" if ruled < n else ""
+        reasons.append(f"step {worst_ruled + 1} differs by {rels[worst_ruled]:.2%} (> {tol.step_rel:.1%}{within})")
     if out["tail_rel"] > tol.tail_rel:
         reasons.append(f"mean of the last {tol.tail} steps differs by {out['tail_rel']:.2%} (> {tol.tail_rel:.0%})")
     if out["drop"] < tol.min_drop:
@@ -139,7 +150,8 @@ class TinyRun:
 
 
 def tiny_overrides(steps: int, precision: str, device: str, run_dir: Path, cache_dir: Path) -> list[str]:
-    return ["+exp=tiny", f"train.max_steps={steps}", f"train.precision={precision}", f"train.device={device}",
+    return ["+exp=tiny", f"train.max_steps={steps}", f"optim.warmup_steps={TINY_WARMUP}",
+            f"train.precision={precision}", f"train.device={device}",
             "train.eval_batches=2", "logging.wandb.mode=disabled", "logging.progress=false",
             "checkpoint.save_final=false", "checkpoint.resume=none", f"hydra.run.dir={run_dir}",
             f"data.cache_dir={cache_dir}"]
