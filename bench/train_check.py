@@ -62,7 +62,7 @@ TINY_WARMUP = 15
 # warm-up every step stays within 0.01 % (six CUDA runs of different paths on an H100); past it, near the peak
 # learning rate, the tiny run amplifies rounding into excursions of 0.03 % to 3.4 % at one step, which path took
 # which rounding deciding (the optimizer paths agree to 1e-7 on the same gradients:
-# docs/log/2026-11-27-h100-regions-adamw-bisect.md). So: step 1 within 1e-4, every warm-up step within 0.1 %, the
+# docs/benchmarks.md). So: step 1 within 1e-4, every warm-up step within 0.1 %, the
 # mean of the last 10 within 0.5 %.
 FP32_TOL = LossTol(first_rel=1e-4, step_rel=0.001, tail_rel=0.005, step_until=TINY_WARMUP)
 

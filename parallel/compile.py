@@ -6,9 +6,9 @@ dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weigh
 (``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
 attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
 ``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``), each router's
-selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, the groups' and experts'
-selections as ranks, normalisation; all fused, no top-k kernel) and each MoE layer's balance loss and load count
-(``models.moe.balance_and_load``, ``MoE.balance_terms``).
+selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert top-k's,
+normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each MoE layer's balance loss
+and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
 In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
 region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
 (``python -m tools.roofline``). Regions hold no collective and no host sync, so compiling them cannot break a

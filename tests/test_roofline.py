@@ -217,7 +217,7 @@ def test_v3_small_prediction_is_the_measured_gpu_busy_time(variant, as_measured)
     assert abs(step / busy - 1) < 0.10 and step < wall, (variant, step, busy, wall)
 
 
-# The present default, measured (docs/log/2026-11-27-h100-regions-adamw-bisect.md, variant L of its first call):
+# The present default, measured (docs/benchmarks.md: variant L of the step table's first session on this code):
 # GPU busy and wall, ms. Its top-k's, sorts and accumulating index writes calibrated the roofline's rates for them.
 PRESENT_12_BUSY_WALL = (111.2, 115.9)
 
