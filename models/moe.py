@@ -137,11 +137,17 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, std=std)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``argsort(order)`` of a permutation ``order``, by one scatter instead of a sort."""
+    arange = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return torch.empty_like(order).scatter_(0, order, arange)
+
+
 def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     """Expert outputs sorted by expert (``order`` sorted the T*K copies) back in (token, k) order,
     weighted by the gate and summed over k -> ``[T, D]``. A gather, not ``index_add``: deterministic."""
     T, K = w_TK.shape
-    y_TKD = y_sorted[torch.argsort(order)].view(T, K, y_sorted.shape[-1])
+    y_TKD = y_sorted[inverse_permutation(order)].view(T, K, y_sorted.shape[-1])
     return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
 
 

@@ -177,3 +177,14 @@ def test_grouped_mm_matches_loop():
     assert y3.dtype == y4.dtype == torch.bfloat16
     torch.testing.assert_close(y3.float(), y4.float(), rtol=2e-2, atol=2e-2)
     assert (y3.float() - y1).abs().max() > 0   # really computed in BF16, not FP32
+
+
+
+def test_the_inverse_permutation_is_argsorts():
+    """``unsort_and_weight`` and the expert-parallel dispatchers undo their sorts with ``inverse_permutation``
+    (one scatter) where they took ``argsort`` (a sort)."""
+    from models.moe import inverse_permutation
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 21, 4096):
+        order = torch.argsort(torch.randint(0, 7, (n,), generator=g), stable=True)
+        assert torch.equal(inverse_permutation(order), torch.argsort(order))

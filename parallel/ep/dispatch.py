@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.moe import expert_counts, unsort_and_weight
+from models.moe import expert_counts, inverse_permutation, unsort_and_weight
 from models.steps import Cut, Steps
 
 from .comm import Hop, Pending, all_to_all, exchange_counts, fp8_route, named_errors, start_all_to_all
@@ -198,7 +198,7 @@ class AllToAllDispatcher(_DispatcherBase):
         plan = self.plan(topk_idx_TK)
         (w_TK,), (x_recv,) = yield Cut((topk_weight_TK,), [x_TD], FlatLink(self, plan, "dispatch"))
         y_RD = experts(x_recv[plan.perm], plan.tokens_per_expert)
-        y_send = y_RD[torch.argsort(plan.perm)]
+        y_send = y_RD[inverse_permutation(plan.perm)]
         (w_TK,), (y_sorted,) = yield Cut((w_TK,), [y_send], FlatLink(self, plan, "combine"))
         return self.weigh(y_sorted, plan.order, w_TK)
 
@@ -308,7 +308,7 @@ class HierarchicalDispatcher(_DispatcherBase):
         (w1,), (x2,) = yield Cut((w1,), [x1[fp.copy_row[fp.order2]]], intra)
         y_RD = experts(x2[fp.perm], fp.tokens_per_expert)
         back = HopLink(self, fp.in2, fp.out2, "intra", st.count_combine, "combine_s")
-        (w1,), (y2,) = yield Cut((w1,), [y_RD[torch.argsort(fp.perm)]], back)
+        (w1,), (y2,) = yield Cut((w1,), [y_RD[inverse_permutation(fp.perm)]], back)
         partial = self.forwarder_sum(y2, w1, fp)
         _, (y1,) = yield Cut((), [partial], HopLink(self, np_.in1, np_.out1, "inter", st.count_combine, "combine_s"))
         return self.node_sum(y1, np_)
@@ -355,7 +355,7 @@ class HierarchicalDispatcher(_DispatcherBase):
     def _combine(self, y_RD, handle) -> Handle:
         t0 = time.perf_counter()
         np_, w1, fp = handle
-        y_send = y_RD[torch.argsort(fp.perm)]
+        y_send = y_RD[inverse_permutation(fp.perm)]
         self.stats.count_combine(y_send)
         y2 = all_to_all(y_send, fp.in2, fp.out2, self.intra, None, self.name)
         partial = self.forwarder_sum(y2, w1, fp)
