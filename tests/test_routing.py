@@ -188,3 +188,29 @@ def test_the_inverse_permutation_is_argsorts():
     for n in (1, 21, 4096):
         order = torch.argsort(torch.randint(0, 7, (n,), generator=g), stable=True)
         assert torch.equal(inverse_permutation(order), torch.argsort(order))
+
+
+def _select_by_top_ks(logits_TE, bias_E, n_groups, group_topk, n_limited, topk, route_scale):
+    """Node-limited selection written with a top-k for each stage: what ``select_experts`` must equal."""
+    scores_TE = logits_TE.sigmoid()
+    biased_TGe = (scores_TE + bias_E).view(len(logits_TE), n_groups, -1)
+    group_TG = biased_TGe.topk(group_topk, dim=-1)[0].sum(-1)
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_TG.topk(n_limited, dim=-1)[1], True)
+    idx_TK = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).flatten(1).topk(topk, dim=-1)[1]
+    w_TK = scores_TE.gather(1, idx_TK)
+    return idx_TK, w_TK / w_TK.sum(-1, keepdim=True) * route_scale
+
+
+@pytest.mark.parametrize("experts,groups,group_topk,limited,topk", [(64, 8, 2, 4, 8), (32, 4, 2, 2, 4),
+                                                                   (32, 8, 1, 2, 2), (16, 4, 4, 1, 4)])
+def test_group_selection_by_ranks_equals_top_ks(experts, groups, group_topk, limited, topk):
+    """The groups' top-k's as ``ranks`` (pairwise comparisons a compiled region fuses) choose what top-k's
+    choose, with the same weights, bit for bit; ties go to the lower index."""
+    from models.moe import ranks, select_experts
+    g = torch.Generator().manual_seed(experts + limited)
+    logits, bias = torch.randn(512, experts, generator=g), 0.01 * torch.randn(experts, generator=g)
+    idx, w, _ = select_experts(logits, bias, groups, group_topk, limited, topk, 2.5)
+    want_idx, want_w = _select_by_top_ks(logits, bias, groups, group_topk, limited, topk, 2.5)
+    assert torch.equal(idx, want_idx) and torch.equal(w, want_w)
+    x = torch.tensor([[3.0, 1.0, 3.0, 2.0], [float("-inf")] * 4])
+    assert ranks(x).tolist() == [[0, 3, 1, 2], [0, 1, 2, 3]]
