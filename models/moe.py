@@ -26,20 +26,33 @@ from .steps import Cut, LocalLink, Steps, carrying, drive
 
 def ranks(x: torch.Tensor) -> torch.Tensor:
     """Each element's rank along the last dimension (0: the largest; equal values by index): ``ranks(x) < k``
-    marks what ``x.topk(k)`` selects. Pairwise comparisons, for short rows (an expert group, the groups): work a
-    compiled region fuses, where a top-k runs as torch's own kernels (on an H100, 80 us per call)."""
+    marks what ``x.topk(k)`` selects. Pairwise comparisons, for short rows (an expert group, the groups, a token's
+    experts): work a compiled region fuses, where a top-k runs as torch's own kernels (on an H100, 80 us per call)."""
     n = x.shape[-1]
     i = torch.arange(n, device=x.device)
     x_i, x_j = x.unsqueeze(-1), x.unsqueeze(-2)
     return ((x_j > x_i) | ((x_j == x_i) & (i < i.unsqueeze(-1)))).sum(-1)
 
 
+RANKED_ROW = 64   # rows up to this long are ranked (``ranks``: work that grows as its square), longer ones top-k'd
+
+
+def top_k_indices(x_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """``x_TE.topk(k)[1]``: the ``k`` largest of each row, largest first; by ``ranks`` for rows up to
+    ``RANKED_ROW`` (equal values by index)."""
+    if x_TE.shape[-1] > RANKED_ROW:
+        return x_TE.topk(k, dim=-1)[1]
+    return (ranks(x_TE).unsqueeze(-1) == torch.arange(k, device=x_TE.device)).int().argmax(-2)
+
+
 def select_experts(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, n_groups: int, group_topk: int,
                    n_limited: int, topk: int, route_scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gate after its GEMM: sigmoid scores, node-limited top-k on ``score + bias``, the chosen experts'
-    unbiased scores normalised to sum 1 and scaled. One chain of elementwise work and one top-k (the groups'
-    selections are ``ranks``), so that a transform may run it as one compiled region (``parallel/compile.py``).
+    unbiased scores normalised to sum 1 and scaled. The top-k's are ``ranks`` (the experts' through
+    ``top_k_indices``, in order of their biased scores as ``topk`` returns them; ``topk`` itself past
+    ``RANKED_ROW`` experts): one chain of elementwise work and reductions, so that a transform may run it as one
+    compiled region (``parallel/compile.py``) without torch's top-k kernels.
 
     Returns ``(topk_idx [T,K] int64, topk_weight [T,K], scores [T,E])`` in ``logits_TE``'s dtype.
     """
@@ -52,7 +65,7 @@ def select_experts(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, n_group
         group_score_TG = torch.where(top_TGe, biased_TGe, 0.0).sum(-1)
         keep_TG = ranks(group_score_TG) < n_limited
         biased_TE = biased_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
-    topk_idx_TK = biased_TE.topk(topk, dim=-1)[1]
+    topk_idx_TK = top_k_indices(biased_TE, topk)
     w_TK = scores_TE.gather(1, topk_idx_TK)
     w_TK = w_TK / w_TK.sum(-1, keepdim=True) * route_scale
     return topk_idx_TK, w_TK, scores_TE

@@ -202,10 +202,12 @@ def _select_by_top_ks(logits_TE, bias_E, n_groups, group_topk, n_limited, topk, 
 
 
 @pytest.mark.parametrize("experts,groups,group_topk,limited,topk", [(64, 8, 2, 4, 8), (32, 4, 2, 2, 4),
-                                                                   (32, 8, 1, 2, 2), (16, 4, 4, 1, 4)])
+                                                                   (32, 8, 1, 2, 2), (16, 4, 4, 1, 4),
+                                                                   (256, 8, 2, 4, 8), (64, 8, 2, 8, 6)])
 def test_group_selection_by_ranks_equals_top_ks(experts, groups, group_topk, limited, topk):
-    """The groups' top-k's as ``ranks`` (pairwise comparisons a compiled region fuses) choose what top-k's
-    choose, with the same weights, bit for bit; ties go to the lower index."""
+    """The top-k's as ``ranks`` (pairwise comparisons a compiled region fuses; 256 experts: ``topk`` itself)
+    choose what top-k's choose, in the same order and with the same weights, bit for bit; ties go to the lower
+    index."""
     from models.moe import ranks, select_experts
     g = torch.Generator().manual_seed(experts + limited)
     logits, bias = torch.randn(512, experts, generator=g), 0.01 * torch.randn(experts, generator=g)

@@ -433,8 +433,8 @@ def _paused(recorder: Recorder, sums: list | None = None, externs: list | None =
     def record(name, packet, args, kwargs, out, *rest, **kw):
         if name.startswith(FUSED):
             return saved(name, packet, args, kwargs, out, *rest, **kw)
-        if sums is not None and name in REDUCTIONS and isinstance(out, torch.Tensor):
-            sums.append(_squeezed(out.shape))
+        if sums is not None and name in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_floating_point():
+            sums.append(_squeezed(out.shape))   # an integer sum (a count, a rank) is no gradient's
         if externs is not None and name in REGION_EXTERN:
             externs.append((name, packet, args, kwargs, out))
     recorder.record = record
