@@ -245,8 +245,9 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 def test_inductor_router_regions_on_cuda_equal_eager():
-    """The router's selection (three top-k's in the generated code) and balance terms under inductor vs eager:
-    the same experts for (nearly) every token, gate weights, scores and gradients to FP32 rounding."""
+    """The router's selection (its top-k's as ranks, in the generated code) and balance terms under inductor vs
+    eager: the same experts for (nearly) every token, gate weights, scores and gradients to FP32 rounding; and the
+    selection equals top-k's (``tests/test_routing.py``'s reference) on the device."""
     from models.moe import balance_and_load, select_experts
     from parallel.compile import region
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -256,6 +257,9 @@ def test_inductor_router_regions_on_cuda_equal_eager():
     ref, got = (logits.clone().requires_grad_(True) for _ in range(2))
     (i0, w0, s0), (i1, w1, s1) = select_experts(ref, *args), region(select_experts, "inductor")(got, *args)
     assert (i0 == i1).all(-1).float().mean().item() > 0.999
+    from .test_routing import _select_by_top_ks
+    i2, _ = _select_by_top_ks(logits, bias, 8, 2, 4, 8, 2.5)
+    assert (i0 == i2).all(-1).float().mean().item() > 0.999
     same = (i0 == i1).all(-1)
     dw = torch.randn(w0.shape, generator=g, device="cuda")
     (l0, c0), (l1, c1) = (f(s.view(4, 2048, 64), i.view(4, 2048, 8))
