@@ -219,8 +219,8 @@ def test_v3_small_prediction_is_the_measured_gpu_busy_time(variant, as_measured)
 # The default, measured (docs/log/2026-11-27-h100-regions-adamw-bisect.md, variant L of its first call): GPU busy and
 # wall, ms. Its top-k's, sorts and accumulating index writes calibrated the roofline's rates for them. Since then the
 # routers select their groups by ranks, not two top-k's, and the combine un-sorts by an inverse permutation, not an
-# argsort: the fixture ``default_as_measured`` puts both back. When a GPU measures the present code, its numbers
-# replace these and the fixture goes.
+# argsort: the fixture ``default_as_measured`` puts both back. An H200 has run the present code since (faster than
+# the code before it on the same machine, docs/benchmarks.md); an H100's numbers for it would replace these.
 MEASURED_DEFAULT_12_BUSY_WALL = (111.2, 115.9)
 
 
