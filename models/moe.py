@@ -166,30 +166,6 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, arange)
 
 
-class _GatherCopies(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
-        ctx.save_for_backward(order_R)
-        ctx.K = K
-        return x_TD[order_R // K]
-
-    @staticmethod
-    def backward(ctx, g_RD: torch.Tensor):
-        (order_R,) = ctx.saved_tensors
-        g_RD = g_RD[inverse_permutation(order_R)]
-        if ctx.K > 1:
-            g_RD = g_RD.view(-1, ctx.K, g_RD.shape[-1]).sum(1)
-        return g_RD, None, None
-
-
-def gather_copies(x_TD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
-    """``x_TD[order_R // K]`` for a permutation ``order_R`` of the T*K (token, k) copies: each token's K copies,
-    sorted. Its backward un-sorts the copies' gradients (a gather by the inverse permutation) and sums each
-    token's K of them, where autograd's would write them into ``[T, D]`` by an accumulating index write (a sort
-    of the indices, then atomic or segmented adds). The same sums: exact up to the order of K additions."""
-    return _GatherCopies.apply(x_TD, order_R, K)
-
-
 def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     """Expert outputs sorted by expert (``order`` sorted the T*K copies) back in (token, k) order,
     weighted by the gate and summed over k -> ``[T, D]``. A gather, not ``index_add``: deterministic."""
@@ -206,7 +182,6 @@ class LocalDispatcher:
     links a latency).
     """
     link = LocalLink
-    gather = staticmethod(gather_copies)      # the dispatch's copies of the tokens (a transform may compile it)
     weigh = staticmethod(unsort_and_weight)   # the combine's un-sort and weighted sum (a transform may compile it)
 
     def __init__(self, n_experts: int):
@@ -219,7 +194,7 @@ class LocalDispatcher:
         flat_R = topk_idx_TK.flatten()
         order_R = torch.argsort(flat_R, stable=True)
         tokens_per_expert = expert_counts(flat_R, self.n_experts)
-        x_RD = self.gather(x_TD, order_R, K)
+        x_RD = x_TD[order_R // K]
         return x_RD, tokens_per_expert, (order_R, topk_weight_TK)
 
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:

@@ -2,14 +2,12 @@
 chains as generated kernels, the rest of the forward as written.
 
 Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
-dense MLPs, shared and routed experts), the single-device dispatch's copies of the tokens (``models.moe.
-gather_copies``, ``LocalDispatcher.gather``: a gather, and backward the copies' gradients un-sorted and summed
-per token in one pass), the MoE combine's un-sort and gate-weighted sum
+dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
 (``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
 attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
 ``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``), each router's
-selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert selections
-by pairwise ranks, normalisation; a row longer than ``models.moe.RANKED_ROW`` runs torch's top-k) and each MoE layer's balance loss
+selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert top-k's,
+normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each MoE layer's balance loss
 and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
 In eager a norm is 8 kernels forward and about 12 backward, each a pass over the activations; compiled, each
 region is one or two generated kernels each way. They are the largest share of the step's elementwise bytes
@@ -46,7 +44,7 @@ from torch import nn
 
 from models.attention import MLA, key_value_heads, query_heads
 from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
-from models.moe import LocalDispatcher, MoE, balance_and_load, gather_copies, select_experts, unsort_and_weight
+from models.moe import LocalDispatcher, MoE, balance_and_load, select_experts, unsort_and_weight
 
 log = logging.getLogger("parallel")
 
@@ -196,9 +194,8 @@ FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
 
 class Region:
     """A function run as a compiled region (``region(fn, backend)``, looked up at each call), for the places
-    that call a function rather than a module: the single-device dispatch's ``gather``, the MoE combine's
-    ``weigh``, the attention's ``query_heads`` and ``kv_heads``, the router's ``select``, the MoE layer's
-    ``balance_terms``."""
+    that call a function rather than a module: the MoE combine's ``weigh``, the attention's ``query_heads`` and
+    ``kv_heads``, the router's ``select``, the MoE layer's ``balance_terms``."""
 
     def __init__(self, fn: Callable, backend: str):
         self.fn, self.backend = fn, backend
@@ -216,8 +213,8 @@ def _weighing(m: nn.Module) -> bool:
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     """Swap every ``RMSNorm`` and ``SwiGLU`` of ``model`` (exactly those classes: a subclass with a forward of
-    its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the single-device
-    dispatches' ``gather``, the MoE combines' ``weigh``, the attentions' ``query_heads`` and ``kv_heads``, the routers' ``select`` and the MoE layers'
+    its own, such as FP8's cached SwiGLU, keeps it) for its compiled subclass, and compile the MoE combines'
+    ``weigh``, the attentions' ``query_heads`` and ``kv_heads``, the routers' ``select`` and the MoE layers'
     ``balance_terms``, in place. Returns the compiled modules' (and functions') names. Idempotent."""
     classes: dict[tuple[type, str], type] = {}
     names = []
@@ -225,9 +222,6 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
         if _weighing(m):
             m.dispatcher.weigh = Region(unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
-        if isinstance(m, MoE) and isinstance(m.dispatcher, LocalDispatcher):
-            m.dispatcher.gather = Region(gather_copies, backend)
-            names.append(f"{name}.dispatcher.gather")
         if isinstance(m, MLA):
             m.query_heads, m.kv_heads = Region(query_heads, backend), Region(key_value_heads, backend)
             names += [f"{name}.query_heads", f"{name}.kv_heads"]
@@ -254,8 +248,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
 def compiled(model: nn.Module) -> list[str]:
     """The names of ``model``'s compiled modules and functions (``apply_compile``)."""
     return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None] + \
-        [f"{n}.dispatcher.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)
-         for attr in ("weigh", "gather") if isinstance(m.dispatcher.__dict__.get(attr), Region)] + \
+        [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
+         if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MLA)
          for attr in ("query_heads", "kv_heads") if isinstance(m.__dict__.get(attr), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)

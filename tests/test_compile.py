@@ -18,8 +18,8 @@ from parallel.recompute import apply_recompute, regions
 from .trainer_utils import make_config
 
 IDS = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
-REGIONS = 33 + 4 * 4 + 2 * 5   # the tiny model's norms and SwiGLUs, its 4 MoE layers' dispatches, combines, routers
-                               # and balance terms, its 5 attentions' query and key/value heads (4 blocks, the MTP's)
+REGIONS = 33 + 3 * 4 + 2 * 5   # the tiny model's norms and SwiGLUs, its 4 MoE layers' combines, routers and
+                               # balance terms, its 5 attentions' query and key/value heads (4 blocks, the MTP's)
 
 
 def tiny():
@@ -56,7 +56,7 @@ def test_every_norm_and_swiglu_becomes_a_region_and_nothing_else_changes():
     keys = list(model.state_dict())
     want = sorted([n for n, m in model.named_modules() if isinstance(m, (RMSNorm, SwiGLU))] +
                   [f"{n}.{f}" for n, m in model.named_modules() if isinstance(m, MoE)
-                   for f in ("dispatcher.gather", "dispatcher.weigh", "gate.select", "balance_terms")] +
+                   for f in ("dispatcher.weigh", "gate.select", "balance_terms")] +
                   [f"{n}.{f}" for n, m in model.named_modules() if isinstance(m, MLA)
                    for f in ("query_heads", "kv_heads")])
     names = apply_compile(model, backend="aot_eager")
@@ -205,11 +205,11 @@ def _norm(x, w):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_regions_on_cuda_equal_eager(dtype):
-    """Inductor's kernels for the norm, SwiGLU, dispatch, combine and attention-heads regions vs eager: FP32 to rounding,
+    """Inductor's kernels for the norm, SwiGLU, combine and attention-heads regions vs eager: FP32 to rounding,
     BF16 within one BF16 rounding (inductor keeps the norm's FP32 statistics in registers)."""
     from models.attention import key_value_heads, query_heads
     from models.layers import swiglu
-    from models.moe import gather_copies, unsort_and_weight
+    from models.moe import unsort_and_weight
     from parallel.compile import region
     g = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -241,7 +241,6 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
         check(swiglu, x, torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype))
         order = torch.randperm(rows, generator=g, device="cuda")          # rows = T * K copies, K = 8
         check(unsort_and_weight, x, order, torch.rand(rows // 8, 8, generator=g, device="cuda"))
-        check(gather_copies, x[: rows // 8], order, 8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")

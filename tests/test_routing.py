@@ -190,24 +190,6 @@ def test_the_inverse_permutation_is_argsorts():
         assert torch.equal(inverse_permutation(order), torch.argsort(order))
 
 
-def test_the_dispatch_gathers_copies_and_sums_their_gradients_per_token():
-    """``gather_copies``: the rows of ``x[order // K]``; their gradients back per token by an un-sort and a sum
-    over each token's K copies instead of autograd's accumulating index write (FP64: equal to rounding), and
-    with ``K = 1`` a permutation's, exactly."""
-    from models.moe import gather_copies
-    g = torch.Generator().manual_seed(0)
-    for T, K, D in ((1, 1, 3), (37, 1, 8), (64, 6, 16)):
-        order = torch.argsort(torch.randint(0, 5, (T * K,), generator=g), stable=True)
-        x = torch.randn(T, D, dtype=torch.float64, generator=g, requires_grad=True)
-        ref = x.detach().clone().requires_grad_()
-        dy = torch.randn(T * K, D, dtype=torch.float64, generator=g)
-        y = gather_copies(x, order, K)
-        assert torch.equal(y, ref[order // K])
-        y.backward(dy), ref[order // K].backward(dy)
-        assert torch.allclose(x.grad, ref.grad, rtol=1e-14, atol=1e-14) and (K > 1 or torch.equal(x.grad, ref.grad))
-        assert torch.autograd.gradcheck(lambda a: gather_copies(a, order, K), (x.detach().requires_grad_(),))
-
-
 def _select_by_top_ks(logits_TE, bias_E, n_groups, group_topk, n_limited, topk, route_scale):
     """Node-limited selection written with a top-k for each stage: what ``select_experts`` must equal."""
     scores_TE = logits_TE.sigmoid()

@@ -184,8 +184,9 @@ class AllToAllDispatcher(_DispatcherBase):
         self.stats.add_time(kind, time.perf_counter() - t0)
 
         def finish():
-            if direction == "dispatch_grad":   # the gather's backward: the copies un-sorted, summed per token
-                return [out[inverse_permutation(plan.order)].view(-1, plan.K, *out.shape[1:]).sum(1)]
+            if direction == "dispatch_grad":   # the gather's backward: sum the copies per token
+                summed = out.new_zeros((tokens.numel() // plan.K, *out.shape[1:]))
+                return [summed.index_put_((tokens,), out, accumulate=True)]
             return [out]
 
         waited = functools.partial(self.stats.add_time, kind)   # the blocking part of the wait
