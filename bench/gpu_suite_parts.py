@@ -417,6 +417,10 @@ def _step_tables(part: Part, res: dict, peak: float) -> None:
                 part.tables.append(Table([f"{prec}: ops by their kernels' time", "input shapes", "called from", "calls",
                                           "ms"], [[op, shapes, where, n, f"{ms:.2f}"]
                                                   for op, shapes, where, n, ms in prof["ops"][:12]]))
+            if prof.get("copies"):
+                part.tables.append(Table([f"{prec}: copies and casts, input shapes", "called from", "calls", "ms"],
+                                         [[shapes, where, n, f"{ms:.2f}"]
+                                          for _, shapes, where, n, ms in prof["copies"][:12]]))
             part.notes.append(f"{prec} profile: GPU busy {prof['busy_ms']:.1f} ms = {prof['busy_fraction']:.0%} of the "
                               f"{r['step_s'] * 1e3:.1f} ms step, {prof['launches']} kernel launches (one profiled step "
                               f"after the timed ones).")

@@ -10,7 +10,8 @@ moments became the default), G and H: C and D with their forward and backward re
 with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
 host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
-profiled step and the ops (with input shapes and calling lines) whose kernels took the most of it, and with
+profiled step and the ops (with input shapes and calling lines) whose kernels took the most of it, the copies and
+casts among them however small (the eager variants: a graph's replay runs no op), and with
 ``--host-profile N`` the N functions with the most own host time. Needs CUDA (and
 omegaconf for the presets: the carried wheels).
 """
@@ -69,6 +70,9 @@ def line(key: str, r: dict) -> list[str]:
     if p.get("ops"):
         out.append("  ops by their kernels' GPU time (eager parts only; the JSON keeps 40):")
         out += [f"   {ms:8.2f} ms {n:5d} {op} {shapes} {where}" for op, shapes, where, n, ms in p["ops"][:15]]
+    if p.get("copies"):
+        out.append(f"  copies and casts ({sum(r[4] for r in p['copies']):.2f} ms in the JSON's {len(p['copies'])} rows):")
+        out += [f"   {ms:8.2f} ms {n:5d} {shapes} {where}" for _, shapes, where, n, ms in p["copies"][:12]]
     return out
 
 

@@ -296,7 +296,8 @@ def profile_step(step, dev, step_s: float, top: int = 80) -> dict:
     the GPU-busy fraction (summed kernel time over the un-profiled median ``step_s``; streams that overlap count
     twice), and ``ops``: the torch ops whose own kernels took the most GPU time, with their input shapes and the
     repository's frames that called them (``op_rows``; a step replayed from a CUDA graph runs no op there, so only
-    its eager parts appear). Off CUDA, or when the profiler fails: ``{"error": ...}``."""
+    its eager parts appear), and ``copies``: the same rows for the copies and casts alone (``copy_rows``). Off CUDA,
+    or when the profiler fails: ``{"error": ...}``."""
     import torch
     if dev.type != "cuda":
         return {"error": "no CUDA"}
@@ -307,7 +308,8 @@ def profile_step(step, dev, step_s: float, top: int = 80) -> dict:
             prof, ops_error = _profiled(step, dev, stacks=False), f"{type(e).__name__}: {e}"
         kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
                    and e.self_device_time_total > 0]
-        ops = [] if ops_error else op_rows(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES))
+        events = [] if ops_error else prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES)
+        ops, copies = op_rows(events), copy_rows(events)
     except Exception as e:  # noqa: BLE001 - the profile is an extra; the step's figures stand without it
         return {"error": f"{type(e).__name__}: {e}"}
     busy_us = sum(e.self_device_time_total for e in kernels)
@@ -315,7 +317,7 @@ def profile_step(step, dev, step_s: float, top: int = 80) -> dict:
     rows = [(e.key[:90], e.count, e.self_device_time_total / 1e3, e.self_device_time_total / busy_us)
             for e in kernels[:top]]
     return {"busy_ms": busy_us / 1e3, "busy_fraction": busy_us / 1e6 / step_s, "launches": sum(e.count for e in kernels),
-            "top": rows, "ops": ops, **({"ops_error": ops_error} if ops_error else {})}
+            "top": rows, "ops": ops, "copies": copies, **({"ops_error": ops_error} if ops_error else {})}
 
 
 def _profiled(step, dev, stacks: bool):
@@ -351,6 +353,17 @@ def op_rows(events, top: int = 40, time_of=None) -> list[tuple[str, str, str, in
     cpu.sort(key=time_of, reverse=True)
     return [(e.key, str(e.input_shapes)[:80], _callers(e.stack or [])[:160], e.count, time_of(e) / 1e3)
             for e in cpu[:top]]
+
+
+# The op whose own kernel a copy or cast is: ``to``, ``contiguous``, ``clone``, ``reshape`` and the rest reach it.
+COPY_OPS = ("aten::copy_",)
+
+
+def copy_rows(events, top: int = 30, time_of=None) -> list[tuple[str, str, str, int, float]]:
+    """``op_rows`` of the copies and casts alone, however small each is (many small rows add up: a step's
+    ``direct_copy`` and BF16-cast kernels, spread over dozens of shapes and calling lines)."""
+    rows = op_rows(events, top=len(events), time_of=time_of)
+    return [r for r in rows if r[0] in COPY_OPS][:top]
 
 
 def _callers(stack: list[str]) -> str:

@@ -48,3 +48,27 @@ def test_op_rows_name_the_op_its_shapes_and_the_calling_line():
         line.endswith("): _layout_change"), where
     assert all(f.startswith("tests/") for f in outer), where   # pytest's own frames are not the repository's
     assert ops["aten::mm"][2].split(" < ")[0] == line, ops["aten::mm"]
+
+
+def _casts(x):
+    import torch
+    return x.to(torch.float64), x.t().contiguous()
+
+
+def test_copy_rows_list_every_copy_and_cast_with_its_calling_line():
+    """``bench.train_check.copy_rows``: the copies alone, each with its shapes and this file's calling line (and
+    the Tensor method, where the profiler gave the copy its stack: ``to``), however small; nothing but copies."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.train_check import OP_FRAMES, copy_rows, stack_config
+    x = torch.randn(64, 32)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,
+                 experimental_config=stack_config()) as prof:
+        _casts(x)
+    rows = copy_rows(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES),
+                     time_of=lambda e: e.self_cpu_time_total)
+    assert {r[0] for r in rows} == {"aten::copy_"}, rows
+    assert len(rows) == 2 and all("tests/test_step_variants.py(" in r[2] and "): _casts" in r[2] for r in rows), rows
+    assert sorted(r[1] for r in rows) == ["[[32, 64], [32, 64], []]", "[[64, 32], [64, 32], []]"], rows
+    assert any(r[2].startswith("to() < ") for r in rows), rows
