@@ -26,19 +26,26 @@ def _layout_change(x):
     return (x @ x).t().contiguous()
 
 
-def test_op_rows_name_the_op_its_shapes_and_the_calling_line():
-    """``bench.train_check.op_rows`` on a real profile (CPU time standing in for the GPU's): the copy that
-    ``contiguous`` makes is named with its input shape, the Tensor method and this file's calling line."""
-    import torch
+def _profiled_rows(rows_of, fn, *args):
+    """``rows_of`` (``op_rows``, ``copy_rows``) over a real CPU profile of ``fn(*args)``, CPU time standing in for
+    the GPU's."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.train_check import OP_FRAMES, op_rows, stack_config
-    x = torch.randn(256, 256)
+    from bench.train_check import OP_FRAMES, stack_config
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,
                  experimental_config=stack_config()) as prof:
-        _layout_change(x)
-    rows = op_rows(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES),
+        fn(*args)
+    return rows_of(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES),
                    time_of=lambda e: e.self_cpu_time_total)
+
+
+def test_op_rows_name_the_op_its_shapes_and_the_calling_line():
+    """``bench.train_check.op_rows``: the copy that ``contiguous`` makes is named with its input shape, the Tensor
+    method and this file's calling line."""
+    import torch
+
+    from bench.train_check import op_rows
+    rows = _profiled_rows(op_rows, _layout_change, torch.randn(256, 256))
     ops = {r[0]: r for r in rows}
     assert {"aten::mm", "aten::clone"} <= set(ops), rows
     op, shapes, where, calls, ms = ops["aten::clone"]
@@ -59,15 +66,9 @@ def test_copy_rows_list_every_copy_and_cast_with_its_calling_line():
     """``bench.train_check.copy_rows``: the copies alone, each with its shapes and this file's calling line (and
     the Tensor method, where the profiler gave the copy its stack: ``to``), however small; nothing but copies."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from bench.train_check import OP_FRAMES, copy_rows, stack_config
-    x = torch.randn(64, 32)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,
-                 experimental_config=stack_config()) as prof:
-        _casts(x)
-    rows = copy_rows(prof.key_averages(group_by_input_shape=True, group_by_stack_n=OP_FRAMES),
-                     time_of=lambda e: e.self_cpu_time_total)
+    from bench.train_check import copy_rows
+    rows = _profiled_rows(copy_rows, _casts, torch.randn(64, 32))
     assert {r[0] for r in rows} == {"aten::copy_"}, rows
     assert len(rows) == 2 and all("tests/test_step_variants.py(" in r[2] and "): _casts" in r[2] for r in rows), rows
     assert sorted(r[1] for r in rows) == ["[[32, 64], [32, 64], []]", "[[64, 32], [64, 32], []]"], rows
