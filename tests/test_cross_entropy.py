@@ -89,3 +89,31 @@ def test_self_check_passes_here_and_a_wrong_kernel_gives_way(monkeypatch, caplog
     else:       # off CUDA the reference runs (the interpreter is for tests), and no check is made
         assert float(ce.cross_entropy(logits, labels)) == float(ce.reference_cross_entropy(logits, labels))
         assert not selfcheck.verdicts()
+
+
+def _kept_bytes(fn, logits, labels) -> int:
+    """Bytes of the distinct storages ``fn``'s autograd keeps for the backward, the labels' excepted."""
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != labels.untyped_storage().data_ptr():
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    x = logits.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn(x, labels)
+    loss.backward()
+    return sum(kept.values())
+
+
+def test_what_each_loss_keeps_for_the_backward_is_what_the_memory_plan_counts():
+    """``trainer.activations.HEAD_KEEPS``: per token of BF16 logits, the kernels keep the logits and one FP32
+    log-sum-exp (and one count), ``F.cross_entropy`` of the FP32 logits the FP32 log-probabilities (and one
+    scalar)."""
+    from trainer.activations import HEAD_KEEPS
+    N, V = 24, 1000
+    logits, labels = problem(N, V, torch.bfloat16, ignore_every=0)
+    fused = _kept_bytes(lambda x, y: ce.triton_cross_entropy(x, y, block_v=256), logits, labels)
+    plain = _kept_bytes(ce.reference_cross_entropy, logits, labels)
+    assert fused == N * HEAD_KEEPS["fused"](V, 2) + 8            # + the count of labels, one int64
+    assert plain == N * HEAD_KEEPS["plain"](V, 2) + 4            # + nll_loss's total weight, one FP32

@@ -155,3 +155,18 @@ def test_recompute_modes_order_the_activation_peak(capsys):
         main(["+exp=tiny", "--recompute", "v3"])
     with pytest.raises(ConfigError, match="--recompute: 'v3'"):
         plan_memory(cfg, recompute="v3")
+
+
+def test_the_fused_head_s_logits_are_counted_in_their_dtype_on_cuda():
+    """``train.head_loss=fused`` (the default) keeps each head's BF16 logits on CUDA, not FP32 log-probabilities:
+    v3_small's 8 x 2048 micro-batch fits an 80 GB GPU under the trainer's recipe; off CUDA, where the loss runs
+    ``F.cross_entropy`` of the FP32 logits, the plan counts those (and so does ``--recipe v3``)."""
+    cfg = compose_cfg("+exp=v3_small", "train.micro_batch_size=8")
+    cuda, cpu = (plan_memory(cfg, recipe="trainer", device=d).worst for d in ("cuda", "cpu"))
+    tokens, V = 8 * 2048, cfg.model.vocab_size
+    heads = 1 + cfg.model.mtp_depth
+    assert cpu.act_peak - cuda.act_peak == pytest.approx(heads * tokens * (V * (4 - 2) - 4))
+    assert cuda.total < 0.9 * 80e9 < cpu.total
+    plain = compose_cfg("+exp=v3_small", "train.micro_batch_size=8", "train.head_loss=plain")
+    assert plan_memory(plain, recipe="trainer").worst.total == cpu.total
+    assert plan_memory(cfg, recipe="v3").worst.act_peak == plan_memory(cfg, recipe="v3", device="cpu").worst.act_peak

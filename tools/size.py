@@ -84,6 +84,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory for the verdict (default 80)")
     ap.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (default 0.1)")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="v3", help="model-state precision (default v3)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="the device type the run uses: the heads' loss keeps less on CUDA (default cuda)")
     ap.add_argument("--recompute", choices=RECOMPUTE, default=None,
                     help="activation recomputation (default: train.recompute, itself none by default)")
     return ap.parse_known_args(argv)
@@ -100,7 +102,8 @@ def main(argv: list[str]) -> int:
         cfg = compose(overrides)
         dims = check_layout(cfg, args.world_size or cfg.parallel.pp * cfg.parallel.ep)   # fail fast, before the build
         model = models.build(cfg.model, "meta")
-        plan = plan_memory(cfg, recipe=args.recipe, recompute=args.recompute, model=model, dims=dims)
+        plan = plan_memory(cfg, recipe=args.recipe, recompute=args.recompute, model=model, dims=dims,
+                           device=args.device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

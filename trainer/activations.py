@@ -9,13 +9,15 @@
             MoE       = norm(D) + route + 2*K*D*a + 4*K*F*a + 4*F_s*a, route = E*f + 2*K*f + 16*K
                         (router scores, gate weights, int64 indices; dispatched and returned token copies,
                         SwiGLU of K experts and of the shared experts)
-            head use  = norm(D) + V*f     (fp32 log-softmax of the logits)
+            head use  = norm(D) + V*f     (fp32 log-softmax of the logits; the fused cross-entropy on CUDA,
+                        ``head_loss="fused"``: V*a + f, the logits in their dtype and the log-sum-exp)
             MTP depth = 2*norm(D) + 2*D*a + attention + MoE + head use
   selective a norm keeps its input and the next linear its output: snorm = 2*D*a; ``MLA.core`` (the
             up-projections and the attention) keeps its latents and wo its output: attention = snorm +
             q_lora*a (H*d_qk*a without q_lora) + (kv_lora + R)*a + H*d_v*a;
             a SwiGLU keeps h1, h3 and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a,
-            routed experts 2*K*D*a + 3*K*F*a; head use = snorm + V*f; MTP's norms: 3*D*a instead of 2*norm(D) + 2*D*a
+            routed experts 2*K*D*a + 3*K*F*a; head use = snorm + V*f (fused: V*a + f); MTP's norms: 3*D*a instead
+            of 2*norm(D) + 2*D*a
   full      dense layer = D*a (its input); MoE layer = 3*D*a + route + 2*K*D*a (block input, residual after
             attention, FFN-norm output; the dispatched and returned token copies); head use and MTP's
             projection as none, MTP's block as a layer
@@ -99,8 +101,16 @@ def v3_recipe_bytes(m: ModelConfig) -> dict:
             "experts_backward": 0}
 
 
+# Bytes per token that one head's cross-entropy keeps for the backward, by what computes it (vocabulary V, the
+# activation dtype's a bytes): ``F.cross_entropy`` of the FP32 logits keeps the log-probabilities; the fused kernels
+# (``kernels/cross_entropy.py``, ``train.head_loss=fused`` on CUDA) keep the logits in their dtype and one FP32
+# log-sum-exp. ``train.head_loss=chunked`` keeps the head's input and weight gradients instead, counted as plain.
+HEAD_KEEPS = {"plain": lambda V, a: V * 4, "fused": lambda V, a: V * a + 4}
+
+
 def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False,
-                               recompute: str = "none", deferred: bool = False, fp8: bool = False) -> dict:
+                               recompute: str = "none", deferred: bool = False, fp8: bool = False,
+                               head_loss: str = "plain") -> dict:
     """Saved-for-backward bytes per token under ``recompute``: ``dense_layer``, ``moe_layer``, ``head`` (one
     use), ``mtp`` (one depth, its head use included), and ``dense_region`` / ``moe_region``: the most that
     one layer's recomputation holds at once in backward (0 without recompute). ``math_attention``: the
@@ -108,8 +118,8 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     kernel's. ``deferred``: the routed experts are ``parallel.wgrad``'s (schedules with B/W actions), which save
     x, h1 and h3 only (2*K*F*a of SwiGLU in none and selective) and hold s1, da, dh1, dh3 and the product
     (5*K*F*a, ``experts_backward``) at once in their backward. ``fp8``: ``train.precision=fp8``'s FP8 linears
-    and experts (``parallel/fp8.py``), whose inputs are saved as FP8 copies. The formulas are in the module doc.
-    ``V3_RECIPE``: ``v3_recipe_bytes`` (the other arguments do not apply)."""
+    and experts (``parallel/fp8.py``), whose inputs are saved as FP8 copies. ``head_loss``: ``HEAD_KEEPS``. The
+    formulas are in the module doc. ``V3_RECIPE``: ``v3_recipe_bytes`` (the other arguments do not apply)."""
     if recompute == V3_RECIPE:
         return v3_recipe_bytes(m)
     f = 4
@@ -130,10 +140,10 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
 
     core = ((2 * H * qk + H * V) * a + x1(H * V) + H * seq_len * f if math_attention
             else (2 * H * qk + H * (N + V) + H * V) * a + x1(H * V) + H * f)
-    route = E * f + 2 * K * f + 16 * K
+    route, loss = E * f + 2 * K * f + 16 * K, HEAD_KEEPS[head_loss](m.vocab_size, a)   # loss: what one head's keeps
     experts, shared = K * D * a + K * x1(D) + 3 * K * F * a + K * x1(F), shared_in + 3 * Fs * a + x1(Fs)
     attn = norm(D, x2) + (norm(Q, x1) if Q else 0) + norm(L, x1) + R * a + core
-    moe, dense, head = norm(D) + route + experts + shared, norm(D, x2) + 3 * I * a + x1(I), norm(D) + m.vocab_size * f
+    moe, dense, head = norm(D) + route + experts + shared, norm(D, x2) + 3 * I * a + x1(I), norm(D) + loss
     out = {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
            "mtp": 2 * norm(D) + 2 * D * a + attn + moe + head, "dense_region": 0, "moe_region": 0}
     if recompute == "selective":
@@ -141,7 +151,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
         s_attn = snorm + (Q or H * qk) * a + (L + R) * a + x1(H * V)   # MLA.core's latents, wo's input
         s_shared = shared_in + h(Fs) + x1(Fs)
         s_moe = 2 * D * a + route + K * D * a + K * x1(D) + K * h(F) + K * x1(F) + s_shared
-        s_head = 2 * D * a + m.vocab_size * f
+        s_head = 2 * D * a + loss
         sel = {"dense_layer": s_attn + snorm + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
                "mtp": 3 * D * a + s_attn + s_moe + s_head}
         out.update(sel, dense_region=out["dense_layer"] - sel["dense_layer"],
@@ -191,12 +201,13 @@ def stage_wgrad_held(m: ModelConfig, split: list[range], a: int, tokens: int) ->
 
 def stage_activations(m: ModelConfig, split: list[range], a: int, tokens: int, recompute: str,
                       seq_len: int = 0, math_attention: bool = False, deferred: bool = False,
-                      expert_dw: float = 0.0, fp8: bool = False) -> list[tuple[float, float]]:
+                      expert_dw: float = 0.0, fp8: bool = False, head_loss: str = "plain") -> list[tuple[float, float]]:
     """Per stage: (bytes saved per micro-batch, the most one layer's backward holds at once beyond them:
     recomputed tensors, or the deferred experts' backward, whose full backward (BW, F&B) also returns
-    the three weight gradients of the local experts together, ``expert_dw`` bytes); ``fp8``: FP8 layers."""
+    the three weight gradients of the local experts together, ``expert_dw`` bytes); ``fp8``: FP8 layers;
+    ``head_loss``: ``HEAD_KEEPS``."""
     per_tok = activation_bytes_per_token(m, a, seq_len, math_attention, "none" if recompute == FLOOR else recompute,
-                                         deferred, fp8)
+                                         deferred, fp8, head_loss)
     out = []
     for s, layers in enumerate(split):
         kinds = ["moe" if m.is_moe_layer(i) else "dense" for i in layers]

@@ -29,8 +29,10 @@ weighting each live activation by its stage's size; without a pipeline one micro
 With ``--recipe trainer train.precision=fp8`` the FP8 layers' inputs are counted as their FP8 copies.
 Not modelled: temporary buffers (all-to-all, logits before the loss), the FP8 weight copies and expert tile
 padding (``trainer/activations.py``), autocast's weight copies and the gate's fp32 input copy under bf16,
-fragmentation; the headroom stands for them. The heads are counted as ``train.head_loss=plain`` keeps them (FP32
-log-probabilities): an upper bound for ``fused`` (the logits in BF16) and ``chunked`` (none).
+fragmentation; the headroom stands for them. The heads: ``train.head_loss=fused`` on a CUDA device keeps the
+logits in their dtype and a log-sum-exp per token (``trainer.activations.HEAD_KEEPS``); off CUDA it runs
+``F.cross_entropy`` as ``plain`` does, and both keep FP32 log-probabilities; ``chunked`` is counted as plain (an upper
+bound). The plan is for ``device`` (``plan_memory``: CUDA unless told); ``--recipe v3`` counts the heads as plain.
 """
 from __future__ import annotations
 
@@ -206,11 +208,13 @@ def rank_params(parts: Parts, split: list[range], held: list[int], mtp_depth: in
 
 
 def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", recompute: str | None = None,
-                model=None, dims: ParallelDims | None = None, math_attention: bool = False) -> Plan:
+                model=None, dims: ParallelDims | None = None, math_attention: bool = False,
+                device: str = "cuda") -> Plan:
     """Per-pipeline-rank memory of ``cfg``'s layout on ``world_size`` ranks (default pp x ep); ``dims``: a
     layout already validated (the trainer's own) in place of ``world_size``; ``recompute``: a
     ``train.recompute`` mode (default: ``cfg``'s); ``math_attention``: size the attention core of PyTorch's
-    math SDPA (the CPU path) instead of a flash kernel's."""
+    math SDPA (the CPU path) instead of a flash kernel's; ``device``: the device type the run uses (the heads'
+    loss: module doc)."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     recompute = t.recompute if recompute is None else recompute
     if recompute not in (*RECOMPUTE, FLOOR, V3_RECIPE):
@@ -226,8 +230,9 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     tokens = t.micro_batch_size * cfg.data.seq_len
     deferred = schedule is not None and schedule.splits_backward   # the runner's wgrad_queue rule
     expert_dw = 3 * m.n_routed_experts // p.ep * m.moe_inter_dim * m.dim * a   # dW1, dW2, dW3 of the local experts
+    head_loss = "fused" if recipe == "trainer" and t.head_loss == "fused" and device == "cuda" else "plain"
     acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention, deferred, expert_dw,
-                             fp8)
+                             fp8, head_loss)
     # held from B to W where the schedule splits them; tools.plan's models of V3's recipe leave it out
     wgrad = stage_wgrad_held(m, split, a, tokens) if recompute not in (FLOOR, V3_RECIPE) else [0.0] * len(split)
     ranks = []

@@ -36,17 +36,18 @@ def preflight(cfg: Config, dims: ParallelDims, device) -> str:
     """Stop (``ConfigError``, one line) when the worst rank's estimate under the trainer's recipe (weights,
     gradients, optimizer state, activations at the schedule's peak) exceeds ``memory_limit``; else the line
     to log. The same ``plan_memory`` as ``python -m tools.size --recipe trainer``, on the run's ``dims``."""
-    need = plan_memory(cfg, recipe="trainer", dims=dims).worst
+    kind = getattr(device, "type", "cpu")   # as memory_limit reads it
+    need = plan_memory(cfg, recipe="trainer", dims=dims, device=kind).worst
     limit, where = memory_limit(device)
     what = (f"~{need.total / GB:.2f} GB per rank (weights {need.weights / GB:.2f}, grads {need.grads / GB:.2f}, "
             f"optimizer {need.optim / GB:.2f}, activations {need.act_peak / GB:.2f}; python -m tools.size --recipe trainer)")
     if need.total <= limit:
         return f"memory: {what}; {limit / GB:.1f} GB available ({where})"
     raise ConfigError(f"memory: this run needs {what} but {limit / GB:.1f} GB are available ({where}); "
-                      f"{_fits_with(cfg, dims, limit)}")
+                      f"{_fits_with(cfg, dims, limit, kind)}")
 
 
-def _fits_with(cfg: Config, dims: ParallelDims, limit: float) -> str:
+def _fits_with(cfg: Config, dims: ParallelDims, limit: float, kind: str) -> str:
     """The first changes (one key each) under which the estimate fits, or how far off it is."""
     p, t = cfg.parallel, cfg.train
     tries = []
@@ -58,10 +59,10 @@ def _fits_with(cfg: Config, dims: ParallelDims, limit: float) -> str:
     for key, value, change in tries:
         c = copy.deepcopy(cfg)
         change(c)
-        if plan_memory(c, recipe="trainer", dims=dims).worst.total <= limit:
+        if plan_memory(c, recipe="trainer", dims=dims, device=kind).worst.total <= limit:
             fits.append(f"{key}={value}")
     if fits:
         return "it fits with " + " or ".join(fits)
-    total = plan_memory(cfg, recipe="trainer", dims=dims).worst.total
+    total = plan_memory(cfg, recipe="trainer", dims=dims, device=kind).worst.total
     return (f"spread it over about {total / limit:.0f}x more ranks (parallel.ep, parallel.pp, with parallel.zero=1 "
             f"or 2), or pick a smaller model; python -m tools.size --recipe trainer <overrides> --world-size N sizes a layout")
