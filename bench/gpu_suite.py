@@ -33,21 +33,31 @@ import traceback
 from pathlib import Path
 
 from bench import suite_report as rep
-from bench.gpu_suite_ctx import PART_KEYS, ROOT, TITLES, Ctx, declared_marks, run_cmd
+from bench.gpu_suite_ctx import PART_KEYS, ROOT, TITLES, TRAINER_PRECISIONS, Ctx, declared_marks, run_cmd
 from bench.gpu_suite_parts import (part_engines, part_gemm, part_grouped, part_kernels, part_quant, part_step,
                                    part_trainer)
 from bench.suite_report import Part
 
 
+def _chosen(text: str | None, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma list of ``allowed`` names in ``allowed``'s order (``all`` or None: every one)."""
+    if text is None or text.strip() in ("", "all"):
+        return list(allowed)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return [k for k in allowed if k in names]
+
+
 def parse_parts(text: str | None) -> list[str]:
     """``"gemm,kernels"`` -> ``["kernels", "gemm"]`` (suite order; ``all`` or None: every part)."""
-    if text is None or text.strip() in ("", "all"):
-        return list(PART_KEYS)
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in PART_KEYS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PART_KEYS)}")
-    return [k for k in PART_KEYS if k in names]
+    return _chosen(text, PART_KEYS, "part(s)")
+
+
+def parse_precisions(text: str | None) -> list[str]:
+    """``"fp8"`` -> ``["fp8"]``: the trainer part's GPU runs (``TRAINER_PRECISIONS`` order)."""
+    return _chosen(text, TRAINER_PRECISIONS, "precision(s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wheels", default=str(ROOT / ".whl"), help="folder of carried wheels (hydra & co.)")
     p.add_argument("--trainer-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="config overrides for the trainer part's GPU runs (e.g. train.compile=off to bisect)")
+    p.add_argument("--trainer-precisions", type=parse_precisions, default=list(TRAINER_PRECISIONS),
+                   help=f"the trainer part's GPU runs, a comma list of {','.join(TRAINER_PRECISIONS)} (the CPU "
+                        "fp32 reference always runs)")
     p.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)   # developer check: CPU, tiny shapes
     return p
 

@@ -32,6 +32,8 @@ TITLES = {
     "trainer": "(c) Tiny trainer end to end: CUDA bf16 / fp8 vs CPU fp32",
     "step": "(d) One training step of v3_small (4 layers), bf16 vs fp8",
 }
+TRAINER_PRECISIONS = ("fp32", "bf16", "fp8")   # the trainer part's GPU runs, each against the CPU fp32 run
+
 # Part budgets in seconds (full, quick): measuring loops stop there; subprocesses are killed there.
 BUDGETS = {"engines": (60, 45), "kernels": (240, 180), "quant": (90, 45), "gemm": (200, 100), "grouped": (120, 60),
            "trainer": (300, 240), "step": (180, 120)}

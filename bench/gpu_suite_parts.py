@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from bench.gpu_suite_ctx import (DENSE_MIN, DENSE_VS_TORCH_MIN, GROUPED_MIN, QUANT_MIN, QUANT_TARGET_ELEMS, QUANT_TARGET_KERNELS, ROOT,
-                                 STEP_MIN, Ctx, declared_marks, run_cmd, tail)
+                                 STEP_MIN, TRAINER_PRECISIONS, Ctx, declared_marks, run_cmd, tail)
 from bench.suite_report import Mark, Part, Table, min_mark
 
 KERNEL_TESTS = ("tests/test_fp8_kernels.py", "tests/test_fp8_engines.py", "tests/test_fp8_linear.py",
@@ -284,10 +284,9 @@ def part_trainer(ctx: Ctx, part: Part) -> None:
     tol = LossTol()
     steps = 12 if ctx.smoke else 40
     gpu = "cpu" if ctx.smoke else "cuda"
-    runs = [TinyRun("cpu fp32", "cpu", "fp32", ctx.tmp / "tiny_cpu_fp32"),
-            TinyRun(f"{gpu} fp32", gpu, "fp32", ctx.tmp / f"tiny_{gpu}_fp32"),
-            TinyRun(f"{gpu} bf16", gpu, "bf16", ctx.tmp / f"tiny_{gpu}_bf16"),
-            TinyRun(f"{gpu} fp8", gpu, "fp8", ctx.tmp / f"tiny_{gpu}_fp8")]
+    chosen = getattr(ctx.args, "trainer_precisions", None) or TRAINER_PRECISIONS
+    runs = [TinyRun("cpu fp32", "cpu", "fp32", ctx.tmp / "tiny_cpu_fp32")] + \
+        [TinyRun(f"{gpu} {p}", gpu, p, ctx.tmp / f"tiny_{gpu}_{p}") for p in TRAINER_PRECISIONS if p in chosen]
     env = env_with_path(site)
     deadline = ctx.part_deadline("trainer")
     for run in runs:

@@ -270,7 +270,7 @@ def test_fp32_rule_holds_every_warm_up_step_tightly_and_the_tail_after():
 def test_trainer_part_marks_from_runs(tmp_path, monkeypatch):
     """part_trainer with the subprocess replaced: the CUDA fp32 run tracks the CPU run within the tight
     fp32 tolerance, bf16 within the loose one, the fp8 run does not train. ``--trainer-overrides`` reach the GPU
-    runs only."""
+    runs only; ``--trainer-precisions`` chooses the GPU runs (the CPU reference always runs)."""
     extras = {}
 
     def fake_run(run, steps, cache_dir, env, timeout_s, cpu_threads=8, extra=()):
@@ -294,6 +294,13 @@ def test_trainer_part_marks_from_runs(tmp_path, monkeypatch):
     assert "not training" in part.tables[0].rows[3][8]
     # 0.8 % off is fine for bf16 but not for CUDA fp32, which starts from the CPU run's exact weights
     assert not tc.compare_losses(REF, [v * 1.008 for v in REF], tc.FP32_TOL)["ok"]
+
+    only = gs.Ctx(gs.build_parser().parse_args(["--out", "x", "--trainer-precisions", "fp8"]), tmp_path, 0.0, None)
+    extras.clear()
+    gsp.part_trainer(only, fp8 := Part("trainer", gs.TITLES["trainer"]))
+    assert list(extras) == ["cpu fp32", "cuda fp8"] and [r[0] for r in fp8.tables[0].rows] == ["cpu fp32", "cuda fp8"]
+    with pytest.raises(SystemExit):
+        gs.build_parser().parse_args(["--out", "x", "--trainer-precisions", "fp16"])
 
     monkeypatch.setattr(gsp, "hydra_path", lambda ctx: (False, None, "no wheels here"))
     skipped = Part("trainer", gs.TITLES["trainer"])
