@@ -71,7 +71,8 @@ def line(key: str, r: dict) -> list[str]:
         out.append("  ops by their kernels' GPU time (eager parts only; the JSON keeps 40):")
         out += [f"   {ms:8.2f} ms {n:5d} {op} {shapes} {where}" for op, shapes, where, n, ms in p["ops"][:15]]
     if p.get("copies"):
-        out.append(f"  copies and casts ({sum(r[4] for r in p['copies']):.2f} ms in the JSON's {len(p['copies'])} rows):")
+        total = sum(r[4] for r in p["copies"])
+        out.append(f"  copies and casts ({total:.2f} ms in the JSON's {len(p['copies'])} rows):")
         out += [f"   {ms:8.2f} ms {n:5d} {shapes} {where}" for _, shapes, where, n, ms in p["copies"][:12]]
     return out
 

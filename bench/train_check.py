@@ -8,10 +8,10 @@ with ``compare_losses`` against the CPU FP32 run.
 
 ``models.build`` draws the weights on the CPU for every device, so the CUDA runs start from exactly the
 CPU run's weights. A CUDA FP32 run must then track the CPU FP32 run closely (``FP32_TOL``: only kernel
-rounding differs; TF32 is off by default; step by step through the warm-up, where rounding is not yet amplified). BF16/FP8 change the rounding, so they get ``LossTol``, which
-was calibrated conservatively, before the shared init, on runs with different init draws. Measured on
-CPU against an FP32 run, 40 tiny steps: three FP32
-runs that differ only in the init draw, BF16 autocast from the same init, BF16 from another init, and the
+rounding differs; TF32 is off by default; step by step through the warm-up, where rounding is not yet
+amplified). BF16/FP8 change the rounding, so they get ``LossTol``, which was calibrated conservatively,
+before the shared init, on runs with different init draws. Measured on CPU against an FP32 run, 40 tiny steps:
+three FP32 runs that differ only in the init draw, BF16 autocast from the same init, BF16 from another init, and the
 FP8 emulation from the same init (29 steps): per-step losses differ by at most 2.3 %, the mean of the last
 10 steps by at most 1.6 %, step 1 by at most 0.12 %; over the 40 steps the loss falls by 21-24 %
 (6.97 -> ~5.4). ``LossTol`` allows more than twice that spread (step 1: 1 %, any step: 6 %, last-10 mean:
