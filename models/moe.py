@@ -166,12 +166,20 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, arange)
 
 
+def gate_weighted_sum(y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """``sum_k w[t,k] * y[t,k]`` -> ``[T, D]`` in ``y``'s dtype. The dtype is explicit: CUDA's autocast runs a
+    ``sum`` without one in FP32, which would turn the residual stream after the first MoE layer into FP32 (every
+    later norm, linear input and gradient twice the bytes, plus a cast before each GEMM); CPU's autocast does
+    not. The reduction accumulates in FP32 either way."""
+    return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1, dtype=y_TKD.dtype)
+
+
 def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     """Expert outputs sorted by expert (``order`` sorted the T*K copies) back in (token, k) order,
     weighted by the gate and summed over k -> ``[T, D]``. A gather, not ``index_add``: deterministic."""
     T, K = w_TK.shape
     y_TKD = y_sorted[inverse_permutation(order)].view(T, K, y_sorted.shape[-1])
-    return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+    return gate_weighted_sum(y_TKD, w_TK)
 
 
 class LocalDispatcher:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.moe import expert_counts, inverse_permutation, unsort_and_weight
+from models.moe import expert_counts, gate_weighted_sum, inverse_permutation, unsort_and_weight
 from models.steps import Cut, Steps
 
 from .comm import Hop, Pending, all_to_all, exchange_counts, fp8_route, named_errors, start_all_to_all
@@ -267,13 +267,13 @@ class HierarchicalDispatcher(_DispatcherBase):
         R1, K = w1.shape
         idx = fplan.copy_row[fplan.order2] * K + fplan.copy_k[fplan.order2]
         y_RKD = y2.new_zeros(R1 * K, y2.shape[-1]).index_put((idx,), y2)
-        return (y_RKD.view(R1, K, y2.shape[-1]) * w1.unsqueeze(-1).to(y2.dtype)).sum(1)
+        return gate_weighted_sum(y_RKD.view(R1, K, y2.shape[-1]), w1)
 
     def node_sum(self, y1, nplan: NodePlan):
         """Back at the source: sum the per-node partial outputs of each token -> ``[T, D]``."""
         T, D = nplan.T, y1.shape[-1]
         y_NTD = y1.new_zeros(self.n_nodes * T, D).index_put((nplan.pair_node * T + nplan.pair_tok,), y1)
-        return y_NTD.view(self.n_nodes, T, D).sum(0)
+        return y_NTD.view(self.n_nodes, T, D).sum(0, dtype=y1.dtype)   # explicit: see gate_weighted_sum
 
     def start(self, rows: list, out_splits: list[int], in_splits: list[int], hop: str, count=None,
               stat: str = "dispatch_s") -> Handle:
