@@ -1,8 +1,8 @@
 """The GPU cost of one training step, predicted on the CPU: ``python -m tools.roofline +exp=v3_small [overrides]``.
 
 The step of ``Trainer.train_step`` on one device (forward and backward of every micro-batch under the run's
-autocast, the check for non-finite gradients, the optimizer step with its clip, ``zero_grad``, the expert-bias
-update) runs on fake tensors
+autocast, with CUDA's rules for its FP32 ops: ``tools.cuda_autocast``; the check for non-finite gradients, the
+optimizer step with its clip, ``zero_grad``, the expert-bias update) runs on fake tensors
 (``FakeTensorMode``: shapes and dtypes, no data, seconds on a CPU), while a dispatch mode records every aten op
 the step issues, by phase (``forward``, ``backward``, ``optimizer``, ``other``): its FLOPs (torch's
 ``flop_registry``), the bytes it reads and writes in memory (its tensor inputs and outputs, views excluded), one
@@ -116,11 +116,13 @@ H100 = Hardware(sources=(
     "attention 300 TFLOP/s: an assumption (no attention kernel was timed); FlashAttention-2-class kernels reach "
     "~35 % of the BF16 peak at head dims 96/64",
     "bandwidth 2.7 TB/s: a device-to-device copy in the suite, 2,637-2,938 GB/s (read + write)",
-    "sort / top-k 34 GB/s of their tensors' bytes: the present default's 12-layer step on an H100, profiled "
-    "(docs/benchmarks.md): 36 top-k's (gatherTopK + bitonicSort, 2.87 ms) and 12 radix sorts (0.53 ms of 37 at 44 us) "
-    "over 0.106 GB, launches apart",
-    "accumulating index write 0.83 TB/s: the same profile: 12 index_put(accumulate=True) backward writes, "
-    "indexing_backward 1.97 ms + a radix sort each (0.53 ms), over 2.02 GB, launches apart",
+    "sort / top-k 34 GB/s of their tensors' bytes: the default's 12-layer step on an H100, profiled "
+    "before the routers' ranks (docs/log/, the regions and AdamW bisect): 36 top-k's (gatherTopK + bitonicSort, 2.87 ms) and 12 radix "
+    "sorts (0.53 ms of 37 at 44 us) over 0.106 GB, launches apart",
+    "accumulating index write 0.83 TB/s: the present default's 12-layer step on an H100, profiled "
+    "(docs/benchmarks.md, One H100): 12 BF16 index_put(accumulate=True) backward writes, "
+    "indexing_backward 2.19 ms + a radix sort each, over 2.02 GB, launches apart (FP32 writes, before the residual "
+    "stream was BF16 on CUDA, ran 1.65 ms for 10 of twice the bytes: this rate overprices them)",
     "launch 6.7 us: the first H100 run's profile of the 4-layer v3_small step (../shared/gpu/, "
     "profile_v3small_4layers_bf16.txt), (wall 141.3 ms - GPU kernel "
     "time 126.6 ms) / 2,191 launches; replayed from a CUDA graph (train.cuda_graph) the 12-layer step leaves "
@@ -474,6 +476,8 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     from parallel.zero import build_optimizer
     from parallel.compile import apply_compile
     from parallel.compile import enabled as compile_enabled
+
+    from .cuda_autocast import CudaAutocastPolicy
     t = cfg.train
     precision = Precision(t.precision)
     if precision.fp8:
@@ -495,7 +499,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
                 adamw_kernel_recorded(rec):
             for _ in range(micro_batches):
                 rec.phase = "forward"
-                with autocast:
+                with autocast, CudaAutocastPolicy():
                     out = model.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=t.mtp_loss_weight.at(0, 0),
                                              aux_alpha=t.aux_loss_alpha)
                 rec.phase = "backward"
