@@ -113,8 +113,8 @@ def part_kernels(ctx: Ctx, part: Part) -> None:
     try:
         import kernels
         kernels.configure()                   # before a kernel module is imported
-        from kernels.quant import FUSED_ENV, TRANSPOSE_ENV   # the opt-in kernels are verified here, not defaults yet
-        proc = run_cmd(cmd, env={**env_with_path(site), FUSED_ENV: "1", TRANSPOSE_ENV: "1"}, timeout=budget)
+        from kernels.quant import FUSED_ENV   # the opt-in kernel is verified here, not a default
+        proc = run_cmd(cmd, env={**env_with_path(site), FUSED_ENV: "1"}, timeout=budget)
         rc, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = None, (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")

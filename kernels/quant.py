@@ -15,9 +15,8 @@ Granularity and layout (T = 128):
   program: tile t's rows × one K-tile): ``(q, s, qT, sT)``, the FP8 linears' copies of an input whose Fprop
   (or Dgrad) and Wgrad both run.
 - ``quant_weight(w [...,N,K])``     T×T blocks, ``s [...,⌈N/T⌉,⌈K/T⌉]``; optionally also ``q.mT`` contiguous
-  (``transpose_fp8``: a T×T tile transpose of the bytes, opt-in on CUDA and self-checked there against torch's
-  copy, which ran as a non-vectorised elementwise kernel on the H100: 13.1 ms for the 140 weights of a 12-layer
-  step).
+  (``transpose_fp8``: a T×T tile transpose of the bytes, self-checked on CUDA against torch's copy, which ran as
+  a non-vectorised elementwise kernel on the H100: 13.1 ms for the 140 weights of a 12-layer step).
 - ``cast_to_e4m3(x)``               the bare saturating RNE cast (tests the rounding exhaustively).
 
 The FP32 -> E4M3 conversion (``_to_e4m3``) has two forms, chosen per launch (``HW``):
@@ -254,14 +253,21 @@ def quant_act_t(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = None, 
     return q, s
 
 
-# Kernels a GPU has not yet verified and timed are opt-in on CUDA ("1"; the GPU suite's kernel tests set both);
-# elsewhere (the interpreter, meta tensors for the Hopper gate) they run, so their tests cover them.
-FUSED_ENV = "DSV3_FUSED_QUANT"        # quant_act_both: bit-exact on an H100, not timed yet
-TRANSPOSE_ENV = "DSV3_FP8_TRANSPOSE"  # _transpose_kernel (transpose_fp8): no GPU has run it yet
+# A kernel that no GPU has shown faster is opt-in on CUDA ("1"; the GPU suite's kernel tests set it); elsewhere (the
+# interpreter, meta tensors for the Hopper gate) it runs, so its tests cover it.
+FUSED_ENV = "DSV3_FUSED_QUANT"        # quant_act_both: bit-exact on an H100; its FP8 step was slower (docs/fp8.md)
+# The weights' transpose kernel is the default on CUDA (after its self-check): an H100's 12-layer FP8 step took
+# 147 ms with it, 157-159 ms with torch's copy (docs/fp8.md). "0" runs torch's copy, the baseline.
+TRANSPOSE_ENV = "DSV3_FP8_TRANSPOSE"
 
 
 def _opt_in(env: str, device: torch.device | str) -> bool:
     return torch.device(device).type != "cuda" or os.environ.get(env) == "1"
+
+
+def transpose_enabled(device: torch.device | str) -> bool:
+    """Whether ``transpose_fp8`` may run ``_transpose_kernel`` on ``device`` (``TRANSPOSE_ENV``)."""
+    return torch.device(device).type != "cuda" or os.environ.get(TRANSPOSE_ENV) != "0"
 
 
 def fused_enabled(device: torch.device | str) -> bool:
@@ -310,11 +316,11 @@ def quant_weight(w: torch.Tensor, pow2: bool = False, transpose: bool = False):
 
 def transpose_fp8(q: torch.Tensor) -> torch.Tensor:
     """``q [...,N,K]`` (E4M3, 2-D or 3-D, contiguous) -> ``q.mT`` contiguous, by ``_transpose_kernel``; on CUDA
-    only with ``TRANSPOSE_ENV`` and where it passed its self-check, else torch's copy."""
+    unless ``TRANSPOSE_ENV`` is "0", and where it passed its self-check; else torch's copy."""
     q3 = (q if q.dim() == 3 else q.unsqueeze(0)).view(torch.uint8)
     assert q3.is_contiguous(), q.stride()
     t = torch.empty((q3.shape[0], q3.shape[2], q3.shape[1]), dtype=torch.uint8, device=q.device)
-    if _opt_in(TRANSPOSE_ENV, q.device) and (q.device.type != "cuda" or _transpose_verified(q.device)):
+    if transpose_enabled(q.device) and (q.device.type != "cuda" or _transpose_verified(q.device)):
         _transpose(q3, t)
     else:
         t.copy_(q3.mT)
