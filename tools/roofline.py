@@ -117,8 +117,8 @@ H100 = Hardware(sources=(
     "~35 % of the BF16 peak at head dims 96/64",
     "bandwidth 2.7 TB/s: a device-to-device copy in the suite, 2,637-2,938 GB/s (read + write)",
     "sort / top-k 34 GB/s of their tensors' bytes: the default's 12-layer step on an H100, profiled "
-    "before the routers' ranks (docs/log/, the regions and AdamW bisect): 36 top-k's (gatherTopK + bitonicSort, 2.87 ms) and 12 radix "
-    "sorts (0.53 ms of 37 at 44 us) over 0.106 GB, launches apart",
+    "before the routers' ranks (docs/log/, the regions and AdamW bisect): 36 top-k's (gatherTopK + bitonicSort, "
+    "2.87 ms) and 12 radix sorts (0.53 ms of 37 at 44 us) over 0.106 GB, launches apart",
     "accumulating index write 0.83 TB/s: the present default's 12-layer step on an H100, profiled "
     "(docs/benchmarks.md, One H100): 12 BF16 index_put(accumulate=True) backward writes, "
     "indexing_backward 2.19 ms + a radix sort each, over 2.02 GB, launches apart (FP32 writes, before the residual "
