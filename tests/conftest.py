@@ -9,6 +9,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Inherited by spawned ranks and torchrun subprocesses.
 os.environ.setdefault("DSV3_NCCL_STRICT", "1")
 
+# How the Triton kernels run (the interpreter without CUDA), chosen before any test module imports a kernel module:
+# a module imported first (bench.step_variants imports kernels.quant) would otherwise fix them compiled, and every
+# later interpreted kernel test would fail with "0 active drivers".
+import kernels  # noqa: E402
+
+kernels.configure()
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n 2 on a 2-core machine: one intra-op thread per worker avoids oversubscription.
     import torch
