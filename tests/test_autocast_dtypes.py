@@ -9,26 +9,33 @@ run (``tools.cuda_autocast``), so the test below sees the dtypes a GPU run has.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import models
 from configs import model_preset
 from models.layers import RMSNorm
+from models.moe import GroupedExperts
+from parallel.fp8 import apply_fp8
 from parallel.zero.master import cast_
 from tools.cuda_autocast import CudaAutocastPolicy
 
 
-def _dtypes_seen(policy: bool) -> dict[str, set]:
-    """The input dtypes of every norm and linear of a BF16 ``tiny`` model's training forward and loss."""
+def _dtypes_seen(policy: bool, fp8: bool) -> dict[str, set]:
+    """The input dtypes of every norm, linear and routed-experts module of a BF16 (or FP8: ``parallel.fp8``'s
+    linears and experts) ``tiny`` model's training forward and loss."""
     torch.manual_seed(0)
     cfg = model_preset("tiny")
     model = models.build(cfg, seed=0)
+    if fp8:
+        apply_fp8(model)
     cast_(list(model.parameters()), torch.bfloat16)
     model.train()
-    seen: dict[str, set] = {"norm": set(), "linear": set()}
+    seen: dict[str, set] = {"norm": set(), "linear": set(), "experts": set()}
     for m in model.modules():
-        kind = "norm" if isinstance(m, RMSNorm) else "linear" if isinstance(m, nn.Linear) else None
+        kind = "norm" if isinstance(m, RMSNorm) else "linear" if isinstance(m, nn.Linear) else \
+            "experts" if isinstance(m, GroupedExperts) else None
         if kind:
             m.register_forward_pre_hook(lambda mod, a, kind=kind: seen[kind].add(a[0].dtype))
     ids = torch.randint(0, cfg.vocab_size, (2, 33))
@@ -58,10 +65,11 @@ def test_the_policy_upcasts_what_cuda_autocast_upcasts():
         assert x.sum(1).dtype == torch.bfloat16
 
 
-def test_bf16_activations_stay_bf16_under_cuda_autocast():
-    """Every norm and linear of a BF16 run gets BF16 inputs, under CPU's autocast and under CUDA's rules: the
-    residual stream is in the weights' dtype on every device."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_bf16_activations_stay_bf16_under_cuda_autocast(fp8):
+    """Every norm, linear and routed-experts module of a BF16 or FP8 run gets BF16 inputs, under CPU's autocast and
+    under CUDA's rules: the residual stream is in the weights' dtype on every device."""
     for policy in (False, True):
-        seen = _dtypes_seen(policy)
-        assert seen["norm"] == {torch.bfloat16}, (policy, seen)
-        assert seen["linear"] == {torch.bfloat16}, (policy, seen)
+        seen = _dtypes_seen(policy, fp8)
+        assert seen == {"norm": {torch.bfloat16}, "linear": {torch.bfloat16}, "experts": {torch.bfloat16}}, \
+            (policy, seen)
