@@ -5,8 +5,9 @@ Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's cl
 B compiled regions with torch's AdamW, C the trainer's settings on CUDA launched eagerly (``train.compile=auto``,
 the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16
 moments became the default), G and H: C and D with their forward and backward replayed from a CUDA graph
-(``train.cuda_graph``, the trainer's default for G), I G at batch 8, J and K H with an opt-in kernel:
-``quant_act_both``, the weights' transpose kernel, L G with each new compiled graph checked against eager. All
+(``train.cuda_graph``, the trainer's default for G), I G at batch 8, J H with the opt-in ``quant_act_both``, K H
+with torch's copy instead of the weights' transpose kernel (the baseline), L G with each new compiled graph
+checked against eager. All
 with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
 host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
