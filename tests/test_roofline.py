@@ -226,7 +226,7 @@ def test_v3_small_prediction_is_the_measured_gpu_busy_time(variant, as_measured)
     assert abs(step / busy - 1) < 0.10 and step < wall, (variant, step, busy, wall)
 
 
-# The trainer's default at present, measured on an H100 (docs/log/2026-11-28-h100-residual-bf16.md: bench.step_variants
+# The trainer's default at present, measured on an H100 (docs/benchmarks.md, One H100: bench.step_variants
 # --layers 12 --variants G, batch 4 x 2048, BF16, replayed from a CUDA graph): GPU busy and wall, ms. The roofline's
 # rates for top-k's, sorts and accumulating index writes came from an earlier profile of the default.
 MEASURED_DEFAULT_12_BUSY_WALL = (100.6, 104.2)
