@@ -6,7 +6,8 @@ TFLOP/s, the ratios and the error vs the torch reference.
     python -m bench.fp8_grouped_gemm                         # DeepSeek-V3 expert shapes
     python -m bench.fp8_grouped_gemm --experts 8 --tokens 32768
 
-DeepSeek-V3 experts: hidden D = 7168, expert width F = 2048. Each "up" GEMM is ``[R,D]·W[E,F,D]ᵀ``, each
+DeepSeek-V3 experts: hidden D = 7168, expert width F = 2048. Each "up" GEMM is ``[R,D]·W13[E,2F,D]ᵀ`` (gate and
+up stacked, as ``models.moe.GroupedExperts`` runs them), each
 "down" GEMM ``[R,F]·W[E,D,F]ᵀ`` — 2·R·N·K FLOP for forward, Dgrad and Wgrad alike. Expert token counts
 are ragged (0.5x to 1.5x of the mean) in multiples of 16 (torch's grouped GEMMs want 16-aligned groups;
 the kernels' own tests cover arbitrary counts). Every pass is checked against ``kernels.reference`` on
@@ -114,7 +115,7 @@ def measure(experts_list, tokens: int = 32768, dim: int = 7168, inter: int = 204
     for E in experts_list:
         tpe = ragged_counts(R, E, seed).to(common.DEVICE)
         offs = torch.cumsum(tpe, 0, dtype=torch.int32)
-        for label, N, K in (("up (w1/w3)", inter, dim), ("down (w2)", dim, inter)):
+        for label, N, K in (("up (w13)", 2 * inter, dim), ("down (w2)", dim, inter)):
             base = {"E": E, "R": R, "gemm": label, "N": N, "K": K}
             if past(deadline):
                 rows += [base | {"pass": p, "skipped": True} for p in PASSES]

@@ -121,7 +121,7 @@ def slice_experts(model, start: int, n_local: int):
     from models.moe import GroupedExperts
 
     for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
-        for w in ("w1", "w2", "w3"):
+        for w in ("w13", "w2"):
             full = getattr(experts, w)
             setattr(experts, w, torch.nn.Parameter(full.detach()[start:start + n_local].clone()))
         experts.expert_offset = start

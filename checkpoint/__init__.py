@@ -6,10 +6,10 @@ DCP's writer and reader with fsync and one-line errors (``files``). ``python -m 
 The public API, used by ``trainer/`` and ``tools/``; everything else is private to this package.
 """
 from .integrity import (CheckpointDirError, CheckpointError, CheckpointWriteError, DamagedCheckpointError,
-                        NoGoodCheckpointError, NonFiniteStateError, first_nonfinite, has_state, step_dir_name,
-                        verify_local)
+                        NoGoodCheckpointError, NonFiniteStateError, first_nonfinite, has_state, state_keys,
+                        step_dir_name, verify_local)
 from .manager import HEALTH, CheckpointManager, write_manifest, written_healthy
 
 __all__ = ["HEALTH", "CheckpointManager", "written_healthy", "CheckpointError", "CheckpointDirError", "CheckpointWriteError",
            "DamagedCheckpointError", "NoGoodCheckpointError", "NonFiniteStateError", "first_nonfinite", "has_state",
-           "step_dir_name", "verify_local", "write_manifest"]
+           "state_keys", "step_dir_name", "verify_local", "write_manifest"]

@@ -204,10 +204,15 @@ def check_complete(path: Path) -> None:
         raise DamagedCheckpointError(_explicit_message(v), v.path, v.problems[0][0])
 
 
+def state_keys(path: str | os.PathLike) -> set[str]:
+    """The flattened keys the DCP checkpoint at ``path`` holds (``model.layers.0.attn.wo.weight``, ...); reads the
+    metadata only."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
 def has_state(path: str | os.PathLike, prefix: str) -> bool:
     """Whether the DCP checkpoint at ``path`` holds tensors under ``prefix`` (e.g. ``ema``); reads the metadata only."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return any(k == prefix or k.startswith(prefix + ".") for k in keys)
+    return any(k == prefix or k.startswith(prefix + ".") for k in state_keys(path))
 
 
 def _explicit_message(v: Verdict) -> str:

@@ -6,9 +6,12 @@ export writes what it returns and import copies into it. Block ``i`` is ``model.
     attn_norm / ffn_norm           input_layernorm / post_attention_layernorm
     attn.wq | wq_a, q_norm, wq_b   self_attn.q_proj | q_a_proj, q_a_layernorm, q_b_proj
     attn.wkv_a, kv_norm, wkv_b, wo self_attn.kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
-    ffn.w1 / w3 / w2 (dense)       mlp.gate_proj / up_proj / down_proj (same in shared_experts)
+    ffn.w13 (halves) / w2 (dense)  mlp.gate_proj + up_proj / down_proj (same in shared_experts)
     ffn.gate.weight, expert_bias   mlp.gate.weight, mlp.gate.e_score_correction_bias
-    ffn.experts.w1/w3/w2 [E,..]    mlp.experts.{e}.gate_proj / up_proj / down_proj.weight
+    ffn.experts.w13 / w2 [E,..]    mlp.experts.{e}.gate_proj + up_proj / down_proj.weight
+
+Our ``w13`` stacks the gate and up projections (gate rows first, ``models.layers.MLP``); the table names its two
+halves along dim -2, and every other step works on those halves as views.
 
 HF checkpoints (``save_pretrained``, the Hub) store routed experts one tensor per expert, as above; a
 ``transformers`` model in memory fuses them (``mlp.experts.gate_up_proj [E,2F,D]``, gate rows first, and
@@ -53,9 +56,13 @@ from .moe import GroupedExperts
 from .transformer import DeepSeekV3, build
 
 # ---- the weight-name table ---------------------------------------------------------------------------
+def _prefixed(prefix: str, names: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    return tuple(prefix + n for n in names) if isinstance(names, tuple) else prefix + names
+
+
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "head.weight": "lm_head.weight"}
-_MLP = {"w1.weight": "gate_proj.weight", "w2.weight": "down_proj.weight", "w3.weight": "up_proj.weight"}
+_MLP = {"w13.weight": ("gate_proj.weight", "up_proj.weight"), "w2.weight": "down_proj.weight"}
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn.wq.weight": "self_attn.q_proj.weight",
@@ -67,12 +74,12 @@ _BLOCK = {
     "attn.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attn.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    **{f"ffn.{k}": f"mlp.{v}" for k, v in _MLP.items()},
-    **{f"ffn.shared_experts.{k}": f"mlp.shared_experts.{v}" for k, v in _MLP.items()},
+    **{f"ffn.{k}": _prefixed("mlp.", v) for k, v in _MLP.items()},
+    **{f"ffn.shared_experts.{k}": _prefixed("mlp.shared_experts.", v) for k, v in _MLP.items()},
     "ffn.gate.weight": "mlp.gate.weight",
     "ffn.gate.expert_bias": "mlp.gate.e_score_correction_bias",
     # stacked [E, ...] on our side, one tensor per expert on theirs
-    **{f"ffn.experts.{k[:2]}": f"mlp.experts.{{e}}.{v}" for k, v in _MLP.items()},
+    **{f"ffn.experts.{k.split('.')[0]}": _prefixed("mlp.experts.{e}.", v) for k, v in _MLP.items()},
 }
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
         "norm.weight": "shared_head.norm.weight", **{f"block.{k}": v for k, v in _BLOCK.items()}}
@@ -83,15 +90,16 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 INDEX = "model.safetensors.index.json"
 
 
-def hf_key(name: str, n_layers: int) -> str:
-    """HF checkpoint key of our state-dict key ``name`` (routed-expert stacks: a template with ``{e}``)."""
+def hf_key(name: str, n_layers: int) -> str | tuple[str, str]:
+    """HF checkpoint key of our state-dict key ``name`` (routed-expert stacks: a template with ``{e}``); for a
+    ``w13`` the keys of its two halves along dim -2, gate then up."""
     if name in _TOP:
         return _TOP[name]
     top, idx, rest = name.split(".", 2)
     if top == "layers":
-        return f"model.layers.{idx}.{_BLOCK[rest]}"
+        return _prefixed(f"model.layers.{idx}.", _BLOCK[rest])
     if top == "mtp":
-        return f"model.layers.{n_layers + int(idx)}.{_MTP[rest]}"
+        return _prefixed(f"model.layers.{n_layers + int(idx)}.", _MTP[rest])
     raise KeyError(name)
 
 
@@ -106,7 +114,7 @@ def expert_starts(model: DeepSeekV3, expert_range: tuple[int, int] | None = None
     for name, mod in model.named_modules():
         if not isinstance(mod, GroupedExperts):
             continue
-        held, offset = mod.w1.shape[0], mod.expert_offset
+        held, offset = mod.w2.shape[0], mod.expert_offset
         if expert_range is not None:
             start, end = expert_range
             if not 0 <= start < end <= n or end - start != held:
@@ -134,11 +142,12 @@ def _hf_items(model: DeepSeekV3, expert_range=None) -> Iterator[tuple[str, str, 
         except KeyError:
             raise ModelError(f"model tensor {name} has no Hugging Face name (models/hf.py _BLOCK); convert "
                               "weights before swapping modules (e.g. before apply_fp8)") from None
-        if "{e}" in key:
-            start = starts[name.rpartition(".")[0]]
-            yield from ((key.format(e=start + e), name, t[e]) for e in range(len(t)))
-        else:
-            yield key, name, t
+        for key, t in (zip(key, t.chunk(2, dim=-2)) if isinstance(key, tuple) else [(key, t)]):
+            if "{e}" in key:
+                start = starts[name.rpartition(".")[0]]
+                yield from ((key.format(e=start + e), name, t[e]) for e in range(len(t)))
+            else:
+                yield key, name, t
 
 
 def hf_state_dict(model: DeepSeekV3, expert_range: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Building blocks shared by attention, MoE and the transformer: RMSNorm, SwiGLU MLP, rotary embedding.
 
-``SwiGLU`` (the product ``silu(h1) * h3``) is a parameterless module so that a transform can wrap it
-(``parallel/recompute.py`` recomputes it in backward from its inputs) without touching parameter names.
+``SwiGLU`` (the product ``silu(h1) * h3`` of the two halves of one up-projection, ``h13``) is a parameterless module
+so that a transform can wrap it (``parallel/recompute.py`` recomputes it in backward from its input) without
+touching parameter names.
 
 Shape legend: B batch, T sequence, D hidden, H heads, R rope dim.
 """
@@ -24,8 +25,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def swiglu(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
-    """The gated activation ``silu(h1) * h3``."""
+def swiglu(h13: torch.Tensor) -> torch.Tensor:
+    """The gated activation ``silu(h1) * h3`` of ``h13 = [h1 | h3]`` along the last dimension (the output of one
+    GEMM with the gate and up weights stacked, ``w13``)."""
+    h1, h3 = h13.chunk(2, dim=-1)
     return F.silu(h1) * h3
 
 
@@ -43,24 +46,40 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """The gated activation ``silu(h1) * h3`` (no parameters)."""
+    """The gated activation ``silu(h1) * h3`` of ``h13 = [h1 | h3]`` (``swiglu``; no parameters)."""
 
-    def forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
-        return swiglu(h1, h3)
+    def forward(self, h13: torch.Tensor) -> torch.Tensor:
+        return swiglu(h13)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x). Used for dense layers and shared experts."""
+    """SwiGLU feed-forward: ``w2(silu(w1 x) * w3 x)``. Used for dense layers and shared experts.
+
+    The gate and up projections are one linear, ``w13`` (``[w1; w3]``: the gate's rows first): one GEMM reads
+    ``x`` once, and its backward gives ``x``'s gradient in one GEMM instead of two and an add (Megatron-Core's
+    fused ``linear_fc1`` is the same layout). Hugging Face's ``gate_proj`` / ``up_proj`` are its halves
+    (``models/hf.py``)."""
 
     def __init__(self, dim: int, inter_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)   # gate
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)   # down
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)   # up
+        self.w13 = nn.Linear(dim, 2 * inter_dim, bias=False)   # [gate; up]
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)        # down
         self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x), self.w3(x)))
+        return self.w2(self.act(self.w13(x)))
+
+    def init_weights(self, std: float) -> None:
+        init_gate_down_up_(self.w13.weight, self.w2.weight, std)
+
+
+@torch.no_grad()
+def init_gate_down_up_(w13: torch.Tensor, w2: torch.Tensor, std: float) -> None:
+    """Normal(0, std) for the gate half of ``w13``, then ``w2``, then the up half: each drawn as a contiguous tensor
+    of its own (a strided view draws other values), in the order and shapes of the separate gate, down and up
+    weights the model had before ``w13``, so that a seed initialises the same values as it did then."""
+    for w in (w13.chunk(2, dim=-2)[0], w2, w13.chunk(2, dim=-2)[1]):
+        w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=std))
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import MLP, SwiGLU
+from .layers import MLP, SwiGLU, init_gate_down_up_
 from .steps import Cut, LocalLink, Steps, carrying, drive
 
 
@@ -113,51 +113,57 @@ def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as stacked weights; computes on tokens already sorted by expert."""
+    """E SwiGLU experts stored as stacked weights; computes on tokens already sorted by expert.
+
+    Each expert's gate and up projections are one weight, ``w13 [E, 2F, D]`` (``[w1; w3]``, the gate's rows
+    first, as ``MLP.w13``): one grouped GEMM reads the token copies once, and the backward gives their gradient in
+    one grouped GEMM instead of two and an add over every copy."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, expert_offset: int | None = None):
         super().__init__()
         self.expert_offset = expert_offset   # global id of expert 0 when this holds a slice (parallel.ep), else None
-        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # gate  [E,F,D]
-        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))   # down  [E,D,F]
-        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))   # up    [E,F,D]
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim))   # [gate; up]  [E,2F,D]
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))        # down        [E,D,F]
         self.act = SwiGLU()   # a module, so that train.recompute=selective covers it (parallel/recompute.py)
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x_RD``: token copies sorted by expert; ``tokens_per_expert [E]`` their counts."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x_RD.device.type):
             # autocast covers F.linear but not torch._grouped_mm: compute in the autocast dtype ourselves,
             # as the dense layers do (otherwise BF16 training runs the experts in FP32).
             dtype = torch.get_autocast_dtype(x_RD.device.type)
-            x_RD, w1, w2, w3 = (t.to(dtype) for t in (x_RD, w1, w2, w3))
-        if self._grouped_mm_ok(x_RD, w1):
+            x_RD, w13, w2 = (t.to(dtype) for t in (x_RD, w13, w2))
+        if self._grouped_mm_ok(x_RD, w13):
             offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-            h = self.act(torch._grouped_mm(x_RD, w1.transpose(-2, -1), offs=offs),
-                         torch._grouped_mm(x_RD, w3.transpose(-2, -1), offs=offs))
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            h_RF = self.act(torch._grouped_mm(x_RD, w13.transpose(-2, -1), offs=offs))
+            return torch._grouped_mm(h_RF, w2.transpose(-2, -1), offs=offs)
         return self.forward_loop(x_RD, tokens_per_expert)
 
     def forward_loop(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Reference: one matmul chain per expert."""
         outs = []
         for e, x in enumerate(torch.split(x_RD, tokens_per_expert.tolist())):
-            outs.append(F.linear(self.act(F.linear(x, self.w1[e]), F.linear(x, self.w3[e])), self.w2[e]))
+            outs.append(F.linear(self.act(F.linear(x, self.w13[e])), self.w2[e]))
         return torch.cat(outs) if outs else x_RD.new_zeros(0, self.w2.shape[1])
 
     @staticmethod
-    def _grouped_mm_ok(x_RD: torch.Tensor, w1: torch.Tensor) -> bool:
+    def _grouped_mm_ok(x_RD: torch.Tensor, w: torch.Tensor) -> bool:
         # torch._grouped_mm needs 16-byte aligned strides and a floating dtype the backend supports.
         if not hasattr(torch, "_grouped_mm") or x_RD.dtype not in (torch.float32, torch.bfloat16):
             return False
-        if w1.dtype != x_RD.dtype:
+        if w.dtype != x_RD.dtype:
             return False
         per_elem = x_RD.element_size()
-        return (w1.shape[1] * per_elem) % 16 == 0 and (w1.shape[2] * per_elem) % 16 == 0
+        return (w.shape[1] * per_elem) % 16 == 0 and (w.shape[2] * per_elem) % 16 == 0
+
+    @property
+    def inter_dim(self) -> int:
+        """F, each expert's intermediate size (``w2``'s input width)."""
+        return self.w2.shape[-1]
 
     def init_weights(self, std: float) -> None:
-        for w in (self.w1, self.w2, self.w3):
-            nn.init.normal_(w, std=std)
+        init_gate_down_up_(self.w13, self.w2, std)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:

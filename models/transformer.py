@@ -140,8 +140,11 @@ class DeepSeekV3(nn.Module):
     def init_weights(self) -> None:
         """Fill every parameter/buffer; call after ``to_empty`` when the model was built on meta."""
         std = self.cfg.init_std
+        mlp_linears = {id(m) for mlp in self.modules() if isinstance(mlp, MLP) for m in mlp.children()}
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, MLP):
+                module.init_weights(std)
+            elif isinstance(module, nn.Linear) and id(module) not in mlp_linears:
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)

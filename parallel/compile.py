@@ -185,8 +185,8 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return region(rms_norm, self.compile_backend)(x, self.weight, self.eps)
 
 
-def _swiglu_forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
-    return region(swiglu, self.compile_backend)(h1, h3)
+def _swiglu_forward(self, h13: torch.Tensor) -> torch.Tensor:
+    return region(swiglu, self.compile_backend)(h13)
 
 
 FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}

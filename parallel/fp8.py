@@ -2,7 +2,7 @@
 
 ``apply_fp8(model, backend="auto")`` replaces, by module name,
 - MLA projections ``attn.{wq, wq_a, wq_b, wkv_a, wkv_b, wo}``,
-- dense-layer MLPs ``ffn.{w1, w2, w3}`` and shared experts ``ffn.shared_experts.{w1, w2, w3}``
+- dense-layer MLPs ``ffn.{w13, w2}`` and shared experts ``ffn.shared_experts.{w13, w2}``
   with ``FP8Linear``, and the routed experts ``ffn.experts`` with ``FP8GroupedExperts``. The new modules
   hold the *same* Parameter objects, so optimizer state, state-dict keys and checkpoints are unchanged.
 Left alone (BF16/FP32): embedding, output head, MoE gate, norms, the attention core, MTP's ``eh_proj``.
@@ -36,10 +36,10 @@ from torch import nn
 
 import kernels
 from kernels.reference import dequant
-from models.layers import SwiGLU
+from models.layers import SwiGLU, swiglu
 from models.moe import GroupedExperts
 
-LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn\.(w1|w2|w3)|shared_experts\.(w1|w2|w3))$")
+LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn\.(w13|w2)|shared_experts\.(w13|w2))$")
 EXPERT_NAMES = re.compile(r"(^|\.)ffn\.experts$")
 
 
@@ -139,15 +139,10 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
     """Per-expert ``y_e = x_e·W_eᵀ`` over rows sorted by expert; the three GEMMs in FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None, cache=None,
-                x_fp8=None):
+    def forward(ctx, x, weight, tokens_per_expert, ops, pow2, out_dtype, grad_on, queue=None, cache=None):
         with torch.autocast(x.device.type, enabled=False):
             need_xt = grad_on and ctx.needs_input_grad[1]
-            if x_fp8 is None:
-                x_fp8 = _quant_rows(ops, x, tokens_per_expert, pow2, need_xt)
-            xq, xs, *xt = x_fp8   # given: the copies another GEMM of the same x made (``FP8GroupedExperts``)
-            if need_xt and xt[0] is None:
-                raise ValueError("fp8_grouped_linear: x_fp8 has no transposed copy, and Wgrad needs one")
+            xq, xs, *xt = _quant_copies(ops, _rows(x), tokens_per_expert, pow2, True, need_xt)
             wq, ws, wq_t = _weight(cache, ops, weight, pow2, grad_on and ctx.needs_input_grad[0])
             y = ops.grouped_gemm(xq, xs, wq, ws, tokens_per_expert, _gemm_dtype(out_dtype)).to(out_dtype)
             xt = xt if need_xt else (None, None)
@@ -166,7 +161,7 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
                 dx = ops.grouped_gemm(dyq, dys, wq_t, ws.mT, tpe, _gemm_dtype(ctx.x_dtype)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 dw = _wgrad(ctx.queue, ctx.param, ops.grouped_wgrad, dyt_q, dyt_s, xt_q, xt_s, tpe)
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow2_scales: bool = False,
@@ -180,19 +175,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto", pow
 
 def fp8_grouped_linear(x_RK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert: torch.Tensor,
                        backend: str = "auto", pow2_scales: bool = False, wgrad_queue=None,
-                       weight_cache: WeightFP8 | None = None, x_fp8: tuple | None = None) -> torch.Tensor:
-    """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8. ``x_fp8``: ``x_RK``'s FP8
-    copies already made (``_quant_rows``), so that two GEMMs of one input quantise it once and keep one copy."""
+                       weight_cache: WeightFP8 | None = None) -> torch.Tensor:
+    """Rows of expert e of ``x_RK`` (sorted by expert) times ``w_ENK[e]ᵀ``, in FP8."""
     ops = kernels.get_ops(backend, x_RK.device)
     return _FP8GroupedLinearFn.apply(x_RK, w_ENK, tokens_per_expert, ops, pow2_scales, _out_dtype(x_RK),
-                                     torch.is_grad_enabled(), wgrad_queue, weight_cache, x_fp8)
-
-
-def _quant_rows(ops, x: torch.Tensor, tokens_per_expert: torch.Tensor, pow2: bool, transposed: bool) -> tuple:
-    """``(q, s, q_t, s_t)`` of rows ``x``: the 1×128 copy Fprop reads and, if ``transposed``, the 128×1 one
-    (tiles per expert) Wgrad reads (else None, None)."""
-    with torch.autocast(x.device.type, enabled=False), torch.no_grad():   # no graph: outside a Function
-        return _quant_copies(ops, _rows(x), tokens_per_expert, pow2, True, transposed)
+                                     torch.is_grad_enabled(), wgrad_queue, weight_cache)
 
 
 def _quant_copies(ops, x2: torch.Tensor, tokens_per_expert: torch.Tensor | None, pow2: bool, rows: bool,
@@ -240,28 +227,25 @@ class FP8GroupedExperts(GroupedExperts):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.weight_fp8 = {k: WeightFP8() for k in ("w1", "w2", "w3")}
+        self.weight_fp8 = {k: WeightFP8() for k in ("w13", "w2")}
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, backend: str = "auto", pow2_scales: bool = False):
         kernels.resolve_backend(backend, "cpu")
-        E, F_, D = experts.w1.shape
+        E, D, F_ = experts.w2.shape
         with torch.device("meta"):
             new = cls(E, D, F_, experts.expert_offset)
-        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
+        new.w13, new.w2 = experts.w13, experts.w2
         new.wgrad_queue = getattr(experts, "wgrad_queue", None)   # deferred Wgrad applied first (parallel/wgrad.py)
         new.backend, new.pow2_scales = backend, pow2_scales
         new.train(experts.training)
         return new
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """w1 and w3 read one FP8 copy of ``x_RD`` (quantised once, kept once for their Wgrads)."""
+        """``w13`` (gate and up, one GEMM: ``x_RD`` quantised once) and ``w2``, each a grouped FP8 GEMM."""
         args = (tokens_per_expert, self.backend, self.pow2_scales, self.wgrad_queue)
         c = self.weight_fp8
-        wgrad = torch.is_grad_enabled() and (self.w1.requires_grad or self.w3.requires_grad)
-        x8 = _quant_rows(kernels.get_ops(self.backend, x_RD.device), x_RD, tokens_per_expert, self.pow2_scales, wgrad)
-        h_RF = self.act(fp8_grouped_linear(x_RD, self.w1, *args, c["w1"], x8),
-                        fp8_grouped_linear(x_RD, self.w3, *args, c["w3"], x8))
+        h_RF = self.act(fp8_grouped_linear(x_RD, self.w13, *args, c["w13"]))
         return fp8_grouped_linear(h_RF, self.w2, *args, c["w2"])
 
     def extra_repr(self) -> str:
@@ -269,56 +253,56 @@ class FP8GroupedExperts(GroupedExperts):
 
 
 class _FP8CachedSwiGLUFn(torch.autograd.Function):
-    """``silu(h1) * h3`` from the exact inputs, keeping them for backward only as FP8 (1×128 tiles, the
-    activations' quantisation); backward recomputes from the dequantised copies."""
+    """``silu(h1) * h3`` of ``h13 = [h1 | h3]`` from the exact input, keeping it for backward only as FP8 (1×128
+    tiles, the activations' quantisation); backward recomputes from the dequantised copy."""
 
     @staticmethod
-    def forward(ctx, h1, h3, ops, pow2):
-        with torch.autocast(h1.device.type, enabled=False):
-            out = F.silu(h1) * h3
-            ctx.save_for_backward(*ops.quant_act(_rows(h1), pow2), *ops.quant_act(_rows(h3), pow2))
-        ctx.shape, ctx.dtypes = h1.shape, (h1.dtype, h3.dtype)
+    def forward(ctx, h13, ops, pow2):
+        with torch.autocast(h13.device.type, enabled=False):
+            out = swiglu(h13)
+            ctx.save_for_backward(*ops.quant_act(_rows(h13), pow2))
+        ctx.shape, ctx.dtype = h13.shape, h13.dtype
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q1, s1, q3, s3 = ctx.saved_tensors
+        q, s = ctx.saved_tensors
         with torch.autocast(g.device.type, enabled=False):
-            h1, h3, g = dequant(q1, s1).view(ctx.shape), dequant(q3, s3).view(ctx.shape), g.float()
-            # the kernels autograd runs for silu(h1) * h3 (mul's backward, then silu's), so that the result is
-            # autograd's at the dequantised inputs bit for bit
-            d1 = torch.ops.aten.silu_backward(g * h3, h1) if ctx.needs_input_grad[0] else None
-            d3 = g * F.silu(h1) if ctx.needs_input_grad[1] else None
-        return (None if d1 is None else d1.to(ctx.dtypes[0]), None if d3 is None else d3.to(ctx.dtypes[1]),
-                None, None)
+            h1, h3 = dequant(q, s).view(ctx.shape).chunk(2, dim=-1)
+            g = g.float()
+            # the kernels autograd runs for silu(h1) * h3 (mul's backward, then silu's, the halves' gradients
+            # concatenated as chunk's backward does), so that the result is autograd's at the dequantised input
+            # bit for bit
+            d13 = torch.cat([torch.ops.aten.silu_backward(g * h3, h1), g * F.silu(h1)], dim=-1)
+        return d13.to(ctx.dtype), None, None
 
 
 class FP8CachedSwiGLU(SwiGLU):
     """The SwiGLU of a MoE layer's FP8 experts under ``train.recompute=selective`` (DeepSeek-V3 §3.3.2: the
-    SwiGLU inputs in MoE are cached in FP8 and its output recomputed in backward): it keeps ``h1, h3`` for
-    backward as FP8 with 1×128 scales (1 byte + 4/128 per element instead of the activation dtype's 2 or 4)
-    and recomputes the product's derivative from them. Set by ``parallel/recompute.py``, which copies the FP8
-    module's backend and scale mode here. Forward values are exact; gradients see the FP8 rounding of h1, h3."""
+    SwiGLU inputs in MoE are cached in FP8 and its output recomputed in backward): it keeps ``h13`` for backward
+    as FP8 with 1×128 scales (1 byte + 4/128 per element instead of the activation dtype's 2 or 4) and
+    recomputes the product's derivative from it. Set by ``parallel/recompute.py``, which copies the FP8 module's
+    backend and scale mode here. Forward values are exact; gradients see the FP8 rounding of h1, h3."""
 
     recomputed = ("forward",)   # reported by parallel.recompute.regions like its checkpointed regions
     backend, pow2_scales = "auto", False
 
-    def forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not (h1.requires_grad or h3.requires_grad):
-            return super().forward(h1, h3)
-        return _FP8CachedSwiGLUFn.apply(h1, h3, kernels.get_ops(self.backend, h1.device), self.pow2_scales)
+    def forward(self, h13: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not h13.requires_grad:
+            return super().forward(h13)
+        return _FP8CachedSwiGLUFn.apply(h13, kernels.get_ops(self.backend, h13.device), self.pow2_scales)
 
 
 def fp8_swiglus(model: nn.Module) -> dict[int, nn.Module]:
     """``id(SwiGLU) -> the FP8 module it belongs to`` for every MoE SwiGLU whose GEMMs are FP8: the routed
-    experts' (``FP8GroupedExperts``) and the shared experts' (an MLP whose ``w1`` is an ``FP8Linear``)."""
+    experts' (``FP8GroupedExperts``) and the shared experts' (an MLP whose ``w13`` is an ``FP8Linear``)."""
     out = {}
     for m in model.modules():
         if isinstance(m, FP8GroupedExperts):
             out[id(m.act)] = m
         shared = getattr(m, "shared_experts", None)
-        if isinstance(getattr(shared, "w1", None), FP8Linear):
-            out[id(shared.act)] = shared.w1
+        if isinstance(getattr(shared, "w13", None), FP8Linear):
+            out[id(shared.act)] = shared.w13
     return out
 
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from models.layers import swiglu
 from models.moe import GroupedExperts
 
 from .fp8 import FP8GroupedExperts, FP8Linear
@@ -242,35 +243,38 @@ class ExpertGemms:
 
 
 class _ExpertsFn(torch.autograd.Function):
-    """SwiGLU experts ``y = (silu(x·W1ᵀ) * x·W3ᵀ)·W2ᵀ`` per expert; saves x, h1, h3 (recomputes the
-    activation in backward, as V3 does), returns dx at once and queues dW1, dW2, dW3."""
+    """SwiGLU experts ``y = swiglu(x·W13ᵀ)·W2ᵀ`` per expert; saves x and h13 (recomputes the activation in
+    backward, as V3 does), returns dx at once and queues dW13, dW2."""
 
     @staticmethod
-    def forward(ctx, x_RD, w1, w2, w3, tokens_per_expert, queue):
+    def forward(ctx, x_RD, w13, w2, tokens_per_expert, queue):
         dtype = _compute_dtype(x_RD)
         with _autocast_off(x_RD):
-            x, w1c, w2c, w3c = (t.to(dtype) for t in (x_RD, w1, w2, w3))
-            mm = ExpertGemms(tokens_per_expert, GroupedExperts._grouped_mm_ok(x, w1c))
-            h1_RF, h3_RF = mm.fprop(x, w1c), mm.fprop(x, w3c)
-            y = mm.fprop(F.silu(h1_RF) * h3_RF, w2c)
-        ctx.save_for_backward(x, h1_RF, h3_RF, w1c, w2c, w3c)
-        ctx.mm, ctx.queue, ctx.params, ctx.x_dtype = mm, queue, (w1, w2, w3), x_RD.dtype
+            x, w13c, w2c = (t.to(dtype) for t in (x_RD, w13, w2))
+            mm = ExpertGemms(tokens_per_expert, GroupedExperts._grouped_mm_ok(x, w13c))
+            h13 = mm.fprop(x, w13c)
+            y = mm.fprop(swiglu(h13), w2c)
+        ctx.save_for_backward(x, h13, w13c, w2c)
+        ctx.mm, ctx.queue, ctx.params, ctx.x_dtype = mm, queue, (w13, w2), x_RD.dtype
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_RD):
-        x, h1_RF, h3_RF, w1c, w2c, w3c = ctx.saved_tensors
-        mm, (w1, w2, w3) = ctx.mm, ctx.params
+        x, h13, w13c, w2c = ctx.saved_tensors
+        mm, (w13, w2) = ctx.mm, ctx.params
         with _autocast_off(dy_RD):      # the dtypes were chosen in forward
+            h1_RF, h3_RF = h13.chunk(2, dim=-1)
             s1_RF = F.silu(h1_RF)
             da_RF = mm.dgrad(dy_RD, w2c)
-            dh3_RF = da_RF * s1_RF
-            dh1_RF = torch.ops.aten.silu_backward(da_RF * h3_RF, h1_RF)
-            dx = (mm.dgrad(dh1_RF, w1c) + mm.dgrad(dh3_RF, w3c)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            dh13 = torch.empty_like(h13)   # the halves' gradients written in place: no concatenation
+            dh1_RF, dh3_RF = dh13.chunk(2, dim=-1)
+            torch.ops.aten.silu_backward.grad_input(da_RF * h3_RF, h1_RF, grad_input=dh1_RF)
+            torch.mul(da_RF, s1_RF, out=dh3_RF)
+            dx = mm.dgrad(dh13, w13c).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
             a_RF = s1_RF * h3_RF
         dws = []
-        for i, (param, d, a) in enumerate(((w1, dh1_RF, x), (w2, dy_RD, a_RF), (w3, dh3_RF, x))):
+        for i, (param, d, a) in enumerate(((w13, dh13, x), (w2, dy_RD, a_RF))):
             need = ctx.needs_input_grad[1 + i]
             dws.append(_submit(ctx.queue, param, functools.partial(mm.wgrad, d, a, param.dtype)) if need else None)
         return dx, *dws, None, None
@@ -283,16 +287,16 @@ class DeferredGroupedExperts(GroupedExperts):
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, queue: WeightGradQueue) -> "DeferredGroupedExperts":
-        E, F_, D = experts.w1.shape
+        E, D, F_ = experts.w2.shape
         with torch.device("meta"):
             new = cls(E, D, F_, experts.expert_offset)
-        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
+        new.w13, new.w2 = experts.w13, experts.w2
         new.wgrad_queue = queue
         new.train(experts.training)
         return new
 
     def forward(self, x_RD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return _ExpertsFn.apply(x_RD, self.w1, self.w2, self.w3, tokens_per_expert, self.wgrad_queue)
+        return _ExpertsFn.apply(x_RD, self.w13, self.w2, tokens_per_expert, self.wgrad_queue)
 
 
 # --------------------------------------------------------------------------------------------- converter

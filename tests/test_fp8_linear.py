@@ -96,7 +96,7 @@ def run_experts(module, tpe, x, dy):
     fwd = module.forward_loop if type(module) is GroupedExperts else module
     y = fwd(x, tpe)
     y.backward(dy)
-    return [y.detach(), x.grad] + [w.grad.clone() for w in (module.w1, module.w2, module.w3)]
+    return [y.detach(), x.grad] + [w.grad.clone() for w in (module.w13, module.w2)]
 
 
 @needs_triton
@@ -105,12 +105,15 @@ def test_fp8_grouped_experts_match_fp32_and_triton_matches_emulation():
     emu = FP8GroupedExperts.from_experts(copy.deepcopy(base), "emulation")
     tri = FP8GroupedExperts.from_experts(copy.deepcopy(base), "triton")
     want, got_emu, got_tri = (run_experts(m, tpe, x, dy) for m in (base, emu, tri))
-    for name, w, e, t in zip(("y", "dx", "dw1", "dw2", "dw3"), want, got_emu, got_tri):
+    for name, w, e, t in zip(("y", "dx", "dw13", "dw2"), want, got_emu, got_tri):
         print(f"{name}: fp8 vs fp32 {rel(e, w):.4f}, triton vs emulation {rel(t, e):.1e}")
         # Chained GEMMs: an intermediate that differs in its last FP32 bit (summation order) may round to
         # the neighbouring E4M3 value when re-quantised, so agreement here is ~1e-5, not ~1e-7 (on a GPU the
-        # first GEMM already differs by up to FP32_AGREE, and the re-quantised chain by a few times that).
-        assert rel(t, e) < (5e-4 if DEV == "cpu" else 5 * FP32_AGREE), (name, rel(t, e))
+        # first GEMM already differs by up to FP32_AGREE, and the re-quantised chain by a few times that). y sits
+        # after the re-quantised SwiGLU product: here 3 of its 59,296 elements flip (an E4M3 step, 2^-3 of the
+        # value each), which moves y by 7e-4 while every GEMM alone agrees to 3e-7.
+        chained = 2e-3 if name == "y" else 5e-4
+        assert rel(t, e) < (chained if DEV == "cpu" else 5 * FP32_AGREE), (name, rel(t, e))
         assert rel(e, w) < 0.09, (name, rel(e, w))    # two chained FP8 GEMMs + SwiGLU: ~0.05
     for grads in (got_emu, got_tri):
         assert all((g[0] == 0).all() and (g[3] == 0).all() for g in grads[2:])   # experts without tokens
@@ -196,9 +199,10 @@ def test_apply_fp8_swaps_by_name_and_keeps_parameters():
     model.layers[2].ffn.experts.expert_offset = 4          # the EP shard offset (apply_ep) survives
     names = apply_fp8(model, backend="emulation")
     assert model.layers[2].ffn.experts.expert_offset == 4
-    assert len(names) == 44                          # 5 layers x 5 MLA projections, 1 dense MLP, 4 x (shared + routed)
+    assert len(names) == 39                          # 5 layers x 5 MLA projections, 1 dense MLP (w13, w2), 4 x (shared
+    #                                                  w13, w2 + routed)
     assert "layers.0.ffn.w2" in names and "mtp.0.block.ffn.experts" in names
-    assert "layers.1.ffn.shared_experts.w3" in names and "layers.3.attn.wkv_b" in names
+    assert "layers.1.ffn.shared_experts.w13" in names and "layers.3.attn.wkv_b" in names
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not isinstance(module, FP8Linear):
             assert name in ("head", "mtp.0.eh_proj"), name
@@ -278,8 +282,8 @@ def train_curve(fp8: bool, steps: int, corpus, seq_len=32, batch=4, seed=0) -> t
 
 @pytest.mark.slow
 def test_fp8_emulation_tracks_fp32_over_200_steps(tmp_path):
-    """FP8 vs FP32, means over three seeds (one seed's gap is within the seed-to-seed spread); measured -0.16 %
-    validation, -0.13 % training loss of steps 181-200 (docs/fp8.md)."""
+    """FP8 vs FP32, means over three seeds (one seed's gap is within the seed-to-seed spread); measured -0.25 %
+    validation, -0.27 % training loss of steps 181-200 (docs/fp8.md)."""
     from data import load_corpus
     cfg = types.SimpleNamespace(path=None, tokenizer=None, text_field="text", val_fraction=0.05,
                                 cache_dir=str(tmp_path))

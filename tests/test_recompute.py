@@ -169,7 +169,7 @@ def test_b_w_split_recomputes_in_b_and_again_in_w(monkeypatch):
 
 def test_routed_experts_selective_and_deferred_wgrad_compose(monkeypatch):
     """Routed experts compute their SwiGLU product through ``GroupedExperts.act``, so selective covers them;
-    DeferredGroupedExperts (parallel/wgrad.py) keeps h1, h3 and recomputes the product itself: with both,
+    DeferredGroupedExperts (parallel/wgrad.py) keeps h13 and recomputes the product itself: with both,
     the product runs once in forward and never again (no double recompute), and B then W gives the
     gradients of the plain backward, bitwise."""
     from parallel.wgrad import DeferredGroupedExperts, WeightGradQueue, apply_deferred_wgrad
@@ -200,37 +200,39 @@ def test_routed_experts_selective_and_deferred_wgrad_compose(monkeypatch):
 
 
 class _RoundTripFn(torch.autograd.Function):
-    """The exact forward value; backward: autograd's gradient of silu(h1) * h3 at the FP8 round trips (1×128
-    tiles) of h1 and h3."""
+    """The exact forward value; backward: autograd's gradient of silu(h1) * h3 at the FP8 round trip (1×128
+    tiles) of h13 = [h1 | h3]."""
 
     @staticmethod
-    def forward(ctx, h1, h3):
-        ctx.save_for_backward(h1, h3)
+    def forward(ctx, h13):
+        ctx.save_for_backward(h13)
+        h1, h3 = h13.chunk(2, dim=-1)
         return torch.nn.functional.silu(h1) * h3
 
     @staticmethod
     def backward(ctx, g):
         from kernels.reference import dequant, quant_act
-        trip = [dequant(*quant_act(h.reshape(-1, h.shape[-1]))).view(h.shape).requires_grad_()
-                for h in ctx.saved_tensors]
+        (h13,) = ctx.saved_tensors
+        trip = dequant(*quant_act(h13.reshape(-1, h13.shape[-1]))).view(h13.shape).requires_grad_()
         with torch.enable_grad():
-            return torch.autograd.grad(torch.nn.functional.silu(trip[0]) * trip[1], trip, g)
+            h1, h3 = trip.chunk(2, dim=-1)
+            return torch.autograd.grad(torch.nn.functional.silu(h1) * h3, trip, g)
 
 
 class _RoundTripSwiGLU(SwiGLU):
     """Reference for ``FP8CachedSwiGLU``: the exact forward value, differentiated by autograd at the FP8 round
-    trips of h1 and h3."""
+    trip of h13."""
 
-    def forward(self, h1, h3):
-        return _RoundTripFn.apply(h1, h3)
+    def forward(self, h13):
+        return _RoundTripFn.apply(h13)
 
 
 def test_fp8_emulation_with_selective():
     """FP8 linears keep their inputs as FP8 copies, so with selective no full-precision RMSNorm output is kept
     where only FP8 linears read it (attention norms, the dense FFN norm): V3's layout. The MoE SwiGLUs keep their
     inputs as FP8 too (``FP8CachedSwiGLU``, unit tests in ``tests/test_fp8_swiglu.py``): the loss is unchanged bit
-    for bit, and the gradients are those of a model whose MoE SwiGLUs differentiate at the FP8 round trips of
-    h1, h3 (to fp32 rounding; they differ from the uncached run's by up to ~10 % in early layers here)."""
+    for bit, and the gradients are those of a model whose MoE SwiGLUs differentiate at the FP8 round trip of
+    h13 (to fp32 rounding; they differ from the uncached run's by up to ~10 % in early layers here)."""
     from parallel.fp8 import FP8CachedSwiGLU, apply_fp8
     base = models.build(model_preset("tiny"), seed=0).train()
     apply_fp8(base, backend="emulation")

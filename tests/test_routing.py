@@ -124,9 +124,10 @@ def dense_reference(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
     """Per-token loop over the chosen experts: the definition of the MoE output."""
     idx, w, _ = moe.gate(x_TD)
     e = moe.experts
+    w1, w3 = e.w13.chunk(2, dim=1)   # gate and up, stacked per expert
     out = []
     for t in range(x_TD.shape[0]):
-        y = sum(w[t, k] * F.linear(F.silu(F.linear(x_TD[t], e.w1[i])) * F.linear(x_TD[t], e.w3[i]), e.w2[i])
+        y = sum(w[t, k] * F.linear(F.silu(F.linear(x_TD[t], w1[i])) * F.linear(x_TD[t], w3[i]), e.w2[i])
                 for k, i in enumerate(idx[t].tolist()))
         out.append(y + moe.shared_experts(x_TD[t]))
     return torch.stack(out)
@@ -161,7 +162,7 @@ def test_grouped_mm_matches_loop():
     moe.init_weights(0.2)
     x = torch.randn(40, 32, requires_grad=True)
     counts = torch.tensor([10, 0, 5, 5, 0, 12, 8, 0])
-    assert moe.experts._grouped_mm_ok(x, moe.experts.w1)
+    assert moe.experts._grouped_mm_ok(x, moe.experts.w13)
     g = torch.randn(40, 32)
     y1 = moe.experts(x, counts)
     (gx1,) = torch.autograd.grad(y1, x, g)

@@ -68,7 +68,7 @@ def tile_padding(cfg, tokens: int) -> float:
     """Bytes a MoE layer's FP8 expert copies keep beyond the per-token terms: tiles restart at each expert."""
     R = tokens * cfg.n_activated_experts
     rows = 128 * (-(-R // 128) + cfg.n_routed_experts - 1)
-    return (cfg.dim + cfg.moe_inter_dim) * (1 + 4 / 128) * (rows - R)   # w1/w3's shared copy of x, w2's of h
+    return (cfg.dim + cfg.moe_inter_dim) * (1 + 4 / 128) * (rows - R)   # w13.s copy of x, w2.s of h
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -81,7 +81,7 @@ def test_experts_b_then_w_match_plain(D, F_, autocast):
     base = GroupedExperts(len(counts), D, F_)
     base.init_weights(0.1)
     dtype = torch.bfloat16 if autocast else torch.float32
-    grouped = GroupedExperts._grouped_mm_ok(torch.empty(1, D, dtype=dtype), base.w1.to(dtype))
+    grouped = GroupedExperts._grouped_mm_ok(torch.empty(1, D, dtype=dtype), base.w13.to(dtype))
     assert grouped == (D == 32)
     queue = WeightGradQueue()
     deferred = DeferredGroupedExperts.from_experts(copy.deepcopy(base), queue)
@@ -89,12 +89,12 @@ def test_experts_b_then_w_match_plain(D, F_, autocast):
     want = run_module(base, (x, counts), dy, autocast=autocast)
     at_once = run_module(deferred, (x, counts), dy, autocast=autocast)
     b_then_w = run_module(deferred, (x, counts), dy, queue, autocast)
-    assert b_then_w[2] == {"w1": None, "w2": None, "w3": None}      # B alone left them untouched
+    assert b_then_w[2] == {"w13": None, "w2": None}      # B alone left them untouched
     for got in (at_once, b_then_w):
         for g, w in zip(got[:2], want[:2]):
             assert (torch.equal(g, w) if grouped else rel(g, w) < 1e-6), rel(g, w)
         assert_same_grads(got[3], want[3], exact=grouped)
-        assert all((got[3][n][0] == 0).all() and (got[3][n][3] == 0).all() for n in ("w1", "w2", "w3"))
+        assert all((got[3][n][0] == 0).all() and (got[3][n][3] == 0).all() for n in ("w13", "w2"))
 
 
 # ------------------------------------------------------------------------------------------ stages, model
@@ -183,7 +183,7 @@ def test_whole_model_b_w_per_micro_batch():
     want = grads(ref)
     queue = WeightGradQueue()
     names = apply_deferred_wgrad(model, queue)
-    assert len(names) == 4 * 5 + 4 * 3 + 3 + 2     # 4 blocks x 5 MLA, 4 MLPs (dense + 3 shared) x 3, experts,
+    assert len(names) == 4 * 5 + 4 * 2 + 3 + 2     # 4 blocks x 5 MLA, 4 MLPs (dense + 3 shared) x 2, experts,
     #                                                eh_proj + head
     for i, (ids, labels) in enumerate(mbs):
         queue.backward(i, [model.compute_loss(ids, labels, MTP, AUX).loss], [None], [], model.parameters())
@@ -304,14 +304,14 @@ def test_fp8_modules_keep_class_and_numerics_either_order():
     qb = WeightGradQueue()
     apply_deferred_wgrad(b, qb)
     apply_fp8(b, backend="emulation")
-    shared_w1 = b.layers[2].ffn.shared_experts.w1
-    assert isinstance(shared_w1, FP8Linear) and shared_w1.wgrad_queue is qb
+    shared_w13 = b.layers[2].ffn.shared_experts.w13
+    assert isinstance(shared_w13, FP8Linear) and shared_w13.wgrad_queue is qb
     assert isinstance(b.layers[2].ffn.experts, FP8GroupedExperts) and b.layers[2].ffn.experts.wgrad_queue is qb
     ids, labels = batch(1)[0]
     ref.compute_loss(ids, labels, MTP, AUX).loss.backward()
     for m, q in ((a, qa), (b, qb)):
         q.backward("k", [m.compute_loss(ids, labels, MTP, AUX).loss], [None], [], m.parameters())
-        assert m.layers[1].attn.wo.weight.grad is None and m.layers[1].ffn.experts.w1.grad is None
+        assert m.layers[1].attn.wo.weight.grad is None and m.layers[1].ffn.experts.w13.grad is None
         q.run("k")
         assert_same_grads(grads(m), grads(ref))
 
@@ -326,7 +326,7 @@ def test_converter_keeps_parameters_and_is_idempotent():
     assert model.layers[1].ffn.experts.expert_offset == 4
     assert all(p is params[n] for n, p in model.named_parameters()) and set(model.state_dict()) == keys
     assert not any(type(m) in (nn.Linear, GroupedExperts) for m in model.modules())
-    assert isinstance(model.layers[0].ffn.w1, nn.Linear)         # still an nn.Linear (init_weights, apply_fp8)
+    assert isinstance(model.layers[0].ffn.w13, nn.Linear)         # still an nn.Linear (init_weights, apply_fp8)
     q2 = WeightGradQueue()
     assert apply_deferred_wgrad(model, q2) == names and model.head.wgrad_queue is q2
     with pytest.raises(ValueError, match="has a bias"):

@@ -5,7 +5,7 @@
             core      = (2*H*d_qk + H*(d_nope + d_v) + 2*H*d_v)*a + H*f   (flash: q, k, the kv up-projection
                         output that holds v, the output and its reshaped copy, the log-sum-exp); PyTorch's
                         math SDPA (CPU, ``math_attention``): (2*H*d_qk + 2*H*d_v)*a + H*T*f (probabilities)
-            dense FFN = norm(D) + 4*I*a   (gate, SiLU, up, product)
+            dense FFN = norm(D) + 4*I*a   (gate and up as w13's output, SiLU, product)
             MoE       = norm(D) + route + 2*K*D*a + 4*K*F*a + 4*F_s*a, route = E*f + 2*K*f + 16*K
                         (router scores, gate weights, int64 indices; dispatched and returned token copies,
                         SwiGLU of K experts and of the shared experts)
@@ -15,13 +15,13 @@
   selective a norm keeps its input and the next linear its output: snorm = 2*D*a; ``MLA.core`` (the
             up-projections and the attention) keeps its latents and wo its output: attention = snorm +
             q_lora*a (H*d_qk*a without q_lora) + (kv_lora + R)*a + H*d_v*a;
-            a SwiGLU keeps h1, h3 and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a,
+            a SwiGLU keeps h13 (h1 and h3) and (w2) the product: dense FFN = snorm + 3*I*a, shared experts 3*F_s*a,
             routed experts 2*K*D*a + 3*K*F*a; head use = snorm + V*f (fused: V*a + f); MTP's norms: 3*D*a instead
             of 2*norm(D) + 2*D*a
   full      dense layer = D*a (its input); MoE layer = 3*D*a + route + 2*K*D*a (block input, residual after
             attention, FFN-norm output; the dispatched and returned token copies); head use and MTP's
             projection as none, MTP's block as a layer
-Deferred weight gradients (schedules with B/W, ``parallel/wgrad.py``): the routed experts save x, h1, h3 (2*K*F*a
+Deferred weight gradients (schedules with B/W, ``parallel/wgrad.py``): the routed experts save x, h13 (2*K*F*a
             of SwiGLU in none and selective); their backward holds 5*K*F*a per token (7 under full) and, in a full
             backward, the local experts' three weight gradients at once; a B keeps ``wgrad_held_bytes_per_token``
             (every deferred GEMM's x and dy) until its W (``peak_live``'s ``held``).
@@ -30,20 +30,19 @@ the bytes a layer drops, full a whole dense layer, or the largest region of a Mo
 routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
 FP8 (``train.precision=fp8``, ``parallel/fp8.py``, ``fp8=True``): an FP8 linear or expert GEMM saves its input only
 as its own FP8 copy, c(n) = n + n/32 per token (E4M3 and an FP32 scale per 128 tokens of each feature), each
-linear separately (wq_a or wq and wkv_a: 2*c(D); w1 and w3: 2*c(D)), except the routed experts' w1 and w3, which
-share one copy of the dispatched rows (K*c(D)). The
+linear separately (wq_a or wq and wkv_a: 2*c(D); w13, gate and up in one linear: c(D)). The
 head, the gate and MTP's eh_proj are not FP8: their inputs, and the norms before them, are as above.
   none      attention: norm(D) -> D*f + D*a + 2*c(D), norm(q_lora) -> q_lora*(f + a) + c(q_lora), likewise
             kv_lora; core: the output's reshaped copy (wo's input) c(H*d_v) instead of H*d_v*a
-            dense FFN = D*f + D*a + 2*c(D) + 3*I*a + c(I)   (w1/w3's copies, gate, SiLU, up, w2's copy)
+            dense FFN = D*f + D*a + c(D) + 3*I*a + c(I)   (w13's copy, gate and up, SiLU, w2's copy)
             MoE: routed experts K*D*a + K*c(D) + 3*K*F*a + K*c(F) (the returned copy; the dispatched one is kept
-            only as w1/w3's shared copy), shared experts 2*c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
-  selective snorm = D*a + 2*c(D) (attention, dense FFN; the MoE norm's stays 2*D*a); wo keeps c(H*d_v); dense FFN =
-            snorm + 2*I*a + c(I); a MoE SwiGLU keeps h1, h3 as FP8 (``FP8CachedSwiGLU``, 1x128 tiles along the
-            features): s8(n) = 2*(n + 4*ceil(n/128)); routed experts K*D*a + K*c(D) + K*s8(F) + K*c(F), shared
-            experts 2*c(D) + s8(F_s) + c(F_s)
+            only as w13's copy), shared experts c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
+  selective snorm = D*a + 2*c(D) (attention; the dense FFN's D*a + c(D), the MoE norm's stays 2*D*a); wo keeps
+            c(H*d_v); dense FFN = snorm + 2*I*a + c(I); a MoE SwiGLU keeps h13 as FP8 (``FP8CachedSwiGLU``, 1x128
+            tiles along its 2n features): s8(n) = 2*n + 4*ceil(2*n/128); routed experts K*D*a + K*c(D) + K*s8(F)
+            + K*c(F), shared experts c(D) + s8(F_s) + c(F_s)
   full      the layers keep what they keep without FP8 (region inputs); the regions recompute the FP8 layers
-            above: routed experts K*c(D) + 3*K*F*a + K*c(F), shared experts 2*c(D) + 3*F_s*a + c(F_s)
+            above: routed experts K*c(D) + 3*K*F*a + K*c(F), shared experts c(D) + 3*F_s*a + c(F_s)
   B/W       FP8 experts keep their class under ``parallel.wgrad`` (no deferred-experts saving);
             ``experts_backward`` keeps the bound above
   Not modelled per token: the FP8 weight copies backward keeps (1 byte per weight element plus 128x128 block
@@ -74,7 +73,7 @@ def v3_recipe_bytes(m: ModelConfig) -> dict:
         norms and the up-projections recomputed, so q, k, v are not kept), the attention output as wo's input
         in E5M6 (1.5 bytes + a scale per 128), the flash kernel's log-sum-exp H*f;
       MoE: the residual D*a (the FFN norm recomputed), the router's scores and choices (as this trainer's),
-        the dispatched rows once in FP8 for w1/w3 (K*c(D), they travel as FP8 anyway), the SwiGLU inputs in
+        the dispatched rows once in FP8 for w13 (K*c(D), they travel as FP8 anyway), the SwiGLU inputs in
         FP8 (K*s8(F); the SwiGLU output, w2's input, recomputed), the shared expert likewise; the gate weight
         scales the SwiGLU output before w2, so the combine keeps no expert outputs (with it applied after w2,
         as this trainer does, K*D*a more -- 115 KB per token at V3's size -- and V3's layout would not fit 80 GB);
@@ -116,7 +115,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     one layer's recomputation holds at once in backward (0 without recompute). ``math_attention``: the
     attention core of PyTorch's math SDPA (CPU), which keeps the probabilities (H*T*f), instead of a flash
     kernel's. ``deferred``: the routed experts are ``parallel.wgrad``'s (schedules with B/W actions), which save
-    x, h1 and h3 only (2*K*F*a of SwiGLU in none and selective) and hold s1, da, dh1, dh3 and the product
+    x and h13 only (2*K*F*a of SwiGLU in none and selective) and hold s1, da, dh13 and the product
     (5*K*F*a, ``experts_backward``) at once in their backward. ``fp8``: ``train.precision=fp8``'s FP8 linears
     and experts (``parallel/fp8.py``), whose inputs are saved as FP8 copies. ``head_loss``: ``HEAD_KEEPS``. The
     formulas are in the module doc. ``V3_RECIPE``: ``v3_recipe_bytes`` (the other arguments do not apply)."""
@@ -127,13 +126,13 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
     K, F, E, I = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts, m.inter_dim
     Fs = F * m.n_shared_experts
-    # an input saved by one linear (x1) or by two (x2: w1 and w3, wq_a and wkv_a): one copy in the activation
-    # dtype, or under fp8 each linear's own FP8 copy c(n); h: a MoE SwiGLU's h1 and h3 under selective
+    # an input saved by one linear (x1) or by two (x2: wq_a and wkv_a): one copy in the activation dtype, or under
+    # fp8 each linear's own FP8 copy c(n); h: a MoE SwiGLU's h13 under selective
     act = lambda n: n * a                       # noqa: E731
     c = lambda n: n + n / 32                    # noqa: E731  E4M3, an FP32 scale per 128 tokens
     x1, x2 = (c, lambda n: 2 * c(n)) if fp8 else (act, act)
-    h = (lambda n: 2 * (n - 4 * (-n // 128))) if fp8 and recompute == "selective" else (lambda n: 2 * n * a)
-    shared_in = 2 * c(D) if fp8 and Fs else 0  # the shared experts' w1, w3 copies (else the gate's input)
+    h = (lambda n: 2 * n - 4 * (-2 * n // 128)) if fp8 and recompute == "selective" else (lambda n: 2 * n * a)
+    shared_in = c(D) if fp8 and Fs else 0  # the shared experts' w13 copy (else the gate's input)
 
     def norm(n: int, saved_by=act) -> int:     # fp32 copy, normalised, the next linear(s)' input
         return n * f + n * a + saved_by(n)
@@ -143,7 +142,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     route, loss = E * f + 2 * K * f + 16 * K, HEAD_KEEPS[head_loss](m.vocab_size, a)   # loss: what one head's keeps
     experts, shared = K * D * a + K * x1(D) + 3 * K * F * a + K * x1(F), shared_in + 3 * Fs * a + x1(Fs)
     attn = norm(D, x2) + (norm(Q, x1) if Q else 0) + norm(L, x1) + R * a + core
-    moe, dense, head = norm(D) + route + experts + shared, norm(D, x2) + 3 * I * a + x1(I), norm(D) + loss
+    moe, dense, head = norm(D) + route + experts + shared, norm(D, x1) + 3 * I * a + x1(I), norm(D) + loss
     out = {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
            "mtp": 2 * norm(D) + 2 * D * a + attn + moe + head, "dense_region": 0, "moe_region": 0}
     if recompute == "selective":
@@ -152,7 +151,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
         s_shared = shared_in + h(Fs) + x1(Fs)
         s_moe = 2 * D * a + route + K * D * a + K * x1(D) + K * h(F) + K * x1(F) + s_shared
         s_head = 2 * D * a + loss
-        sel = {"dense_layer": s_attn + snorm + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
+        sel = {"dense_layer": s_attn + D * a + x1(D) + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
                "mtp": 3 * D * a + s_attn + s_moe + s_head}
         out.update(sel, dense_region=out["dense_layer"] - sel["dense_layer"],
                    moe_region=out["moe_layer"] - sel["moe_layer"])
@@ -165,7 +164,7 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
         if recompute != "full" and not fp8:   # FP8 experts keep their class (and what they save)
             fewer = (4 if recompute == "none" else 3) * K * F * a - 2 * K * F * a
             out.update(moe_layer=out["moe_layer"] - fewer, mtp=out["mtp"] - fewer)
-        # the experts' backward: s1, da, dh1, dh3, the product at once (after recomputing x, h1, h3 under full)
+        # the experts' backward: s1, da, dh13, the product at once (after recomputing x, h13 under full)
         out["experts_backward"] = (5 + 2 * (recompute == "full")) * K * F * a
     return out
 
@@ -173,14 +172,14 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
 def wgrad_held_bytes_per_token(m: ModelConfig, a: int) -> dict:
     """Bytes per token the deferred weight-gradient queue (``parallel/wgrad.py``) holds from a stage's B to its
     W, whatever the recompute mode: every deferred linear's input x and output gradient dy (inputs shared by
-    two linears counted once: wq_a/wkv_a, w1/w3), and per routed copy the experts' x, dy, SwiGLU product and
-    the gradients of h1 and h3. ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one depth)."""
+    two linears counted once: wq_a/wkv_a), and per routed copy the experts' x, dy, SwiGLU product and the
+    gradient of h13. ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one depth)."""
     D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
     K, F, I, Fs = m.n_activated_experts, m.moe_inter_dim, m.inter_dim, m.moe_inter_dim * m.n_shared_experts
     q = (Q + Q + H * qk) if Q else H * qk            # (x of wq_b, dy of wq_a,) dy of wq_b / wq
     attn = (D + q + L + (L + R) + H * (N + V) + H * V + D) * a   # x shared, kv a/b, wo's x and dy
-    swiglu = lambda inter: (2 * D + 3 * inter) * a   # noqa: E731  x, dy of w1 and w3, w2's x, its dy
+    swiglu = lambda inter: (2 * D + 3 * inter) * a   # noqa: E731  x, dy of w13, w2's x, its dy
     moe = attn + (swiglu(Fs) if Fs else 0) + K * (2 * D + 3 * F) * a
     head = (D + m.vocab_size) * a
     return {"dense_layer": attn + swiglu(I), "moe_layer": moe, "head": head,

@@ -13,9 +13,9 @@ import yaml
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from checkpoint import HEALTH, has_state
+from checkpoint import HEALTH, has_state, state_keys
 from errors import ConfigError
-from parallel.state_dict import like, to_global, to_local
+from parallel.state_dict import like, stacked_from_older, to_global, to_local
 
 from .metrics import RUN_ID_FILE
 
@@ -55,7 +55,7 @@ def resume(trainer, path: Path) -> None:
     health_saved = trainer.health is not None and has_state(path, "extra.health")
     if trainer.health is not None and not health_saved:
         del state["extra"]["health"]   # train.health newly on: the guard starts afresh
-    trainer.ckpt.load(path, state, verify=False)
+    load_into(trainer, path, state)
     load_weights(trainer, state["model"])
     if ema_saved:
         ema.load_state_dict(to_local(state["ema"]))
@@ -73,6 +73,13 @@ def resume(trainer, path: Path) -> None:
     np.random.set_state(extra["rng"]["numpy"])
     if "cuda" in extra["rng"] and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(extra["rng"]["cuda"], trainer.device)
+
+
+def load_into(trainer, path: Path, state: dict) -> None:
+    """``trainer.ckpt.load`` of ``path`` (verified before) into ``state``, a checkpoint written before the gate and up
+    projections were one parameter included (``parallel.state_dict.stacked_from_older``)."""
+    with stacked_from_older(state, state_keys(path)):
+        trainer.ckpt.load(path, state, verify=False)
 
 
 def load_weights(trainer, model_sd: dict) -> None:
@@ -150,7 +157,7 @@ def init_weights_from(trainer, src: str) -> str:
                           "a step dir of ours, e.g. <dir>/step_00000100, or a Hugging Face model directory)")
     check_model_config(trainer.cfg.model, path, "checkpoint.init_from")
     state = {"model": to_global(get_model_state_dict(model), {}, model, trainer.dims)[0]}
-    trainer.ckpt.load(path, state, verify=False)   # model only: the optimizer, step and data start fresh
+    load_into(trainer, path, state)   # model only: the optimizer, step and data start fresh
     set_model_state_dict(model, to_local(state["model"]))
     return f"initialised from {path} (model weights and balancing biases; step 0, fresh optimizer)"
 

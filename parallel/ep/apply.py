@@ -50,7 +50,7 @@ def apply_ep(model: nn.Module, dims: ParallelDims, dispatcher: str = "hierarchic
         experts = moe.experts
         n_local = moe.n_experts // dims.ep
         start = dims.ep_rank * n_local
-        for w in ("w1", "w2", "w3"):
+        for w in ("w13", "w2"):
             full = getattr(experts, w)
             setattr(experts, w, nn.Parameter(full.detach()[start:start + n_local].clone(),
                                                 requires_grad=full.requires_grad))
