@@ -20,11 +20,11 @@ from bench.common import base_parser, fmt, parse_config, parse_shapes, past, pri
 
 DEFAULT_SHAPES = [
     (4096, 7168, 7168),     # square-ish reference point
-    (4096, 2112, 7168),     # MLA wq_a + wkv_a (1536 + 576)
+    (4096, 2112, 7168),     # MLA wqkv_a (1536 + 576)
     (4096, 24576, 1536),    # MLA wq_b (128 heads x 192)
     (4096, 32768, 512),     # MLA wkv_b (128 heads x (128 + 128))
     (4096, 7168, 16384),    # MLA wo
-    (4096, 18432, 7168),    # dense MLP w1 / w3
+    (4096, 18432, 7168),    # dense MLP, one half of w13 (gate or up)
     (4096, 7168, 18432),    # dense MLP w2
 ]
 LAYOUTS = ("fprop", "dgrad", "wgrad")

@@ -204,10 +204,11 @@ def check_complete(path: Path) -> None:
         raise DamagedCheckpointError(_explicit_message(v), v.path, v.problems[0][0])
 
 
-def state_keys(path: str | os.PathLike) -> set[str]:
-    """The flattened keys the DCP checkpoint at ``path`` holds (``model.layers.0.attn.wo.weight``, ...); reads the
-    metadata only."""
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+def state_keys(path: str | os.PathLike) -> dict[str, tuple | None]:
+    """The flattened keys the DCP checkpoint at ``path`` holds (``model.layers.0.attn.wo.weight``, ...) and their
+    tensors' shapes (None for other objects); reads the metadata only."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: tuple(m.size) if hasattr(m, "size") else None for k, m in meta.items()}
 
 
 def has_state(path: str | os.PathLike, prefix: str) -> bool:

@@ -2,6 +2,9 @@
 
 Queries: optionally low-rank (``q_lora_rank``): D -> q_lora (RMSNorm) -> H*(nope+rope).
 Keys/values: D -> kv_lora (RMSNorm) -> H*(nope+v), plus one shared rope key of R dims per token.
+The two projections of the layer input (the query latent, or without ``q_lora_rank`` the queries, and the key/value
+latent with the rope key) are one weight, ``wqkv_a`` (``[wq_a or wq; wkv_a]``, the query rows first): one GEMM reads
+the input once, and the backward gives its gradient in one GEMM instead of two and an add.
 The two up-projection paths are methods (``q_up``, ``kv_up``: latent -> the attention core's inputs), and
 ``core`` runs them and the attention from the latents to wo's input, so that a transform can recompute them
 in backward (``parallel/recompute.py``). What runs between an up-projection's GEMM and the attention (the heads'
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import RMSNorm, rope_heads, yarn_mscale
+from .layers import RMSNorm, normal_in_order_, rope_heads, yarn_mscale
 
 
 def query_heads(q_BTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, nope: int,
@@ -55,13 +58,12 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_head_dim = cfg.qk_head_dim
+        # the query rows of wqkv_a: the query latent, or without q_lora_rank the queries themselves
+        self.q_rows = cfg.q_lora_rank or cfg.n_heads * qk_head_dim
+        self.wqkv_a = nn.Linear(cfg.dim, self.q_rows + cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         if cfg.q_lora_rank:
-            self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
             self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * qk_head_dim, bias=False)
-        else:
-            self.wq = nn.Linear(cfg.dim, cfg.n_heads * qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
@@ -69,13 +71,22 @@ class MLA(nn.Module):
         if cfg.rope_factor > 1.0 and cfg.mscale_all_dim:
             self.softmax_scale *= yarn_mscale(cfg.rope_factor, cfg.mscale_all_dim) ** 2
 
+    def init_weights(self, std: float) -> None:
+        """The linears, in the order and shapes of the separate weights before ``wqkv_a`` (``normal_in_order_``);
+        the norms are their own."""
+        q, kv = self.wqkv_a.weight.split([self.q_rows, self.wqkv_a.out_features - self.q_rows], dim=-2)
+        wq_b = [self.wq_b.weight] if hasattr(self, "wq_b") else []
+        normal_in_order_([q, *wq_b, kv, self.wkv_b.weight, self.wo.weight], std)
+
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q_BTC = self.wq(x_BTD) if hasattr(self, "wq") else self.wq_a(x_BTD)
-        return self.wo(self.core(q_BTC, self.wkv_a(x_BTD), rope))
+        qkv_BTC = self.wqkv_a(x_BTD)
+        q_BTC, kv_BTC = qkv_BTC.split([self.q_rows, qkv_BTC.shape[-1] - self.q_rows], dim=-1)
+        return self.wo(self.core(q_BTC, kv_BTC, rope))
 
     def core(self, q_BTC: torch.Tensor, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Attention from the latents (wq_a's or wq's output, wkv_a's): the up-projections, rope and causal
-        scaled-dot-product attention; returns wo's input ``[B, T, H*V]``."""
+        """Attention from the latents (``wqkv_a``'s output: the query latent or, without ``q_lora_rank``, the
+        queries; the key/value latent with the rope key): the up-projections, rope and causal scaled-dot-product
+        attention; returns wo's input ``[B, T, H*V]``."""
         B, T, _ = q_BTC.shape
         q_BHTQ = self.q_up(q_BTC, rope)
         k_BHTQ, v_BHTV = self.kv_up(kv_BTC, rope)
@@ -84,12 +95,14 @@ class MLA(nn.Module):
 
     def q_up(self, q_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Queries ``[B,H,T,N+R]`` for the attention core from the query latent (q_norm, then the wq_b
-        up-projection) or, without ``q_lora_rank``, from wq's output; rope on the last R dims of each head."""
+        up-projection) or, without ``q_lora_rank``, from the queries themselves; rope on the last R dims of each
+        head."""
         q = self.wq_b(self.q_norm(q_BTC)) if hasattr(self, "wq_b") else q_BTC
         return self.query_heads(q, *rope, self.n_heads, self.nope, self.rope_heads)
 
     def kv_up(self, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from wkv_a's output ``[B,T,L+R]``: the latent through
+        """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from the key/value rows of wqkv_a's output ``[B,T,L+R]``:
+        the latent through
         kv_norm and the wkv_b up-projection, and the one shared rope key (rotated) appended to every head."""
         kv_BTL, k_pe_BTR = kv_BTC.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_heads(self.wkv_b(self.kv_norm(kv_BTL)), k_pe_BTR, *rope, self.n_heads, self.nope,

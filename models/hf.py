@@ -4,14 +4,17 @@ Weights: one table (``_TOP``/``_BLOCK``/``_MTP``) names every tensor; ``hf_state
 export writes what it returns and import copies into it. Block ``i`` is ``model.layers.{i}``:
 
     attn_norm / ffn_norm           input_layernorm / post_attention_layernorm
-    attn.wq | wq_a, q_norm, wq_b   self_attn.q_proj | q_a_proj, q_a_layernorm, q_b_proj
-    attn.wkv_a, kv_norm, wkv_b, wo self_attn.kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+    attn.wqkv_a (query rows)       self_attn.q_a_proj (q_proj without q_lora_rank)
+    attn.wqkv_a (key/value rows)   self_attn.kv_a_proj_with_mqa
+    attn.q_norm, wq_b              self_attn.q_a_layernorm, q_b_proj
+    attn.kv_norm, wkv_b, wo        self_attn.kv_a_layernorm, kv_b_proj, o_proj
     ffn.w13 (halves) / w2 (dense)  mlp.gate_proj + up_proj / down_proj (same in shared_experts)
     ffn.gate.weight, expert_bias   mlp.gate.weight, mlp.gate.e_score_correction_bias
     ffn.experts.w13 / w2 [E,..]    mlp.experts.{e}.gate_proj + up_proj / down_proj.weight
 
-Our ``w13`` stacks the gate and up projections (gate rows first, ``models.layers.MLP``); the table names its two
-halves along dim -2, and every other step works on those halves as views.
+Our ``w13`` stacks the gate and up projections (gate rows first, ``models.layers.MLP``) and ``wqkv_a`` the query
+and key/value projections of the attention's input (``models.attention.MLA``); the table names their parts along
+dim -2 (``_parts``), and every other step works on those parts as views.
 
 HF checkpoints (``save_pretrained``, the Hub) store routed experts one tensor per expert, as above; a
 ``transformers`` model in memory fuses them (``mlp.experts.gate_up_proj [E,2F,D]``, gate rows first, and
@@ -65,11 +68,9 @@ _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.
 _MLP = {"w13.weight": ("gate_proj.weight", "up_proj.weight"), "w2.weight": "down_proj.weight"}
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attn.wqkv_a.weight": ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),   # _parts
     "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
     "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attn.wo.weight": "self_attn.o_proj.weight",
@@ -92,7 +93,7 @@ INDEX = "model.safetensors.index.json"
 
 def hf_key(name: str, n_layers: int) -> str | tuple[str, str]:
     """HF checkpoint key of our state-dict key ``name`` (routed-expert stacks: a template with ``{e}``); for a
-    ``w13`` the keys of its two halves along dim -2, gate then up."""
+    stacked weight (``w13``, ``wqkv_a``) the keys of its parts along dim -2 (``_parts``)."""
     if name in _TOP:
         return _TOP[name]
     top, idx, rest = name.split(".", 2)
@@ -142,12 +143,23 @@ def _hf_items(model: DeepSeekV3, expert_range=None) -> Iterator[tuple[str, str, 
         except KeyError:
             raise ModelError(f"model tensor {name} has no Hugging Face name (models/hf.py _BLOCK); convert "
                               "weights before swapping modules (e.g. before apply_fp8)") from None
-        for key, t in (zip(key, t.chunk(2, dim=-2)) if isinstance(key, tuple) else [(key, t)]):
+        for key, t in (_parts(name, key, t, model.cfg) if isinstance(key, tuple) else [(key, t)]):
             if "{e}" in key:
                 start = starts[name.rpartition(".")[0]]
                 yield from ((key.format(e=start + e), name, t[e]) for e in range(len(t)))
             else:
                 yield key, name, t
+
+
+def _parts(name: str, keys: tuple[str, str], t: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A stacked tensor's parts along dim -2 under their HF keys: ``wqkv_a``'s query rows (``q_a_proj``, or
+    ``q_proj`` without ``q_lora_rank``) and key/value rows; a ``w13``'s gate and up halves."""
+    if name.endswith("attn.wqkv_a.weight"):
+        q = cfg.q_lora_rank or cfg.n_heads * cfg.qk_head_dim
+        if not cfg.q_lora_rank:
+            keys = (keys[0].replace(".q_a_proj.", ".q_proj."), keys[1])
+        return list(zip(keys, t.split([q, t.shape[-2] - q], dim=-2)))
+    return list(zip(keys, t.chunk(2, dim=-2)))
 
 
 def hf_state_dict(model: DeepSeekV3, expert_range: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:

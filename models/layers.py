@@ -70,15 +70,17 @@ class MLP(nn.Module):
         return self.w2(self.act(self.w13(x)))
 
     def init_weights(self, std: float) -> None:
-        init_gate_down_up_(self.w13.weight, self.w2.weight, std)
+        gate, up = self.w13.weight.chunk(2, dim=-2)
+        normal_in_order_([gate, self.w2.weight, up], std)
 
 
 @torch.no_grad()
-def init_gate_down_up_(w13: torch.Tensor, w2: torch.Tensor, std: float) -> None:
-    """Normal(0, std) for the gate half of ``w13``, then ``w2``, then the up half: each drawn as a contiguous tensor
-    of its own (a strided view draws other values), in the order and shapes of the separate gate, down and up
-    weights the model had before ``w13``, so that a seed initialises the same values as it did then."""
-    for w in (w13.chunk(2, dim=-2)[0], w2, w13.chunk(2, dim=-2)[1]):
+def normal_in_order_(parts: list[torch.Tensor], std: float) -> None:
+    """Normal(0, std) into each of ``parts`` in turn, each drawn as a contiguous tensor of its own shape (a strided
+    view draws other values) and copied in. A module whose stacked weight (``w13``, ``wqkv_a``) holds what were
+    separate weights lists their parts in the old order and shapes, so that a seed initialises the values it did
+    before they were stacked."""
+    for w in parts:
         w.copy_(torch.empty(w.shape, dtype=w.dtype, device=w.device).normal_(std=std))
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import MLP, SwiGLU, init_gate_down_up_
+from .layers import MLP, SwiGLU, normal_in_order_
 from .steps import Cut, LocalLink, Steps, carrying, drive
 
 
@@ -163,7 +163,8 @@ class GroupedExperts(nn.Module):
         return self.w2.shape[-1]
 
     def init_weights(self, std: float) -> None:
-        init_gate_down_up_(self.w13, self.w2, std)
+        gate, up = self.w13.chunk(2, dim=-2)
+        normal_in_order_([gate, self.w2, up], std)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:

@@ -140,11 +140,12 @@ class DeepSeekV3(nn.Module):
     def init_weights(self) -> None:
         """Fill every parameter/buffer; call after ``to_empty`` when the model was built on meta."""
         std = self.cfg.init_std
-        mlp_linears = {id(m) for mlp in self.modules() if isinstance(mlp, MLP) for m in mlp.children()}
+        owned = (MLP, MLA)   # they draw their own linears (stacked weights as the separate ones were drawn)
+        skip = {id(m) for o in self.modules() if isinstance(o, owned) for m in o.children() if isinstance(m, nn.Linear)}
         for module in self.modules():
-            if isinstance(module, MLP):
+            if isinstance(module, owned):
                 module.init_weights(std)
-            elif isinstance(module, nn.Linear) and id(module) not in mlp_linears:
+            elif isinstance(module, nn.Linear) and id(module) not in skip:
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)

@@ -1,7 +1,7 @@
 """FP8 training (DeepSeek-V3 recipe): swap a built model's linears and routed experts for FP8 versions.
 
 ``apply_fp8(model, backend="auto")`` replaces, by module name,
-- MLA projections ``attn.{wq, wq_a, wq_b, wkv_a, wkv_b, wo}``,
+- MLA projections ``attn.{wqkv_a, wq_b, wkv_b, wo}``,
 - dense-layer MLPs ``ffn.{w13, w2}`` and shared experts ``ffn.shared_experts.{w13, w2}``
   with ``FP8Linear``, and the routed experts ``ffn.experts`` with ``FP8GroupedExperts``. The new modules
   hold the *same* Parameter objects, so optimizer state, state-dict keys and checkpoints are unchanged.
@@ -39,7 +39,7 @@ from kernels.reference import dequant
 from models.layers import SwiGLU, swiglu
 from models.moe import GroupedExperts
 
-LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wq|wq_a|wq_b|wkv_a|wkv_b|wo)|ffn\.(w13|w2)|shared_experts\.(w13|w2))$")
+LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wqkv_a|wq_b|wkv_b|wo)|ffn\.(w13|w2)|shared_experts\.(w13|w2))$")
 EXPERT_NAMES = re.compile(r"(^|\.)ffn\.experts$")
 
 

@@ -56,62 +56,66 @@ def like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=template.shape, stride=template.stride())
 
 
-# A parameter that stacks two older ones along dim -2 -> their names in checkpoints written before it existed.
-STACKED = {"w13": ("w1", "w3")}   # models.layers.MLP, models.moe.GroupedExperts: gate and up projections
+# A parameter that stacks older ones along dim -2 -> their names in checkpoints written before it existed, the first
+# held one of each alternative (models.layers.MLP and models.moe.GroupedExperts: gate and up projections;
+# models.attention.MLA: the query projection, wq_a or without q_lora_rank wq, and the key/value one).
+STACKED = {"w13": [("w1", "w3")], "wqkv_a": [("wq_a", "wkv_a"), ("wq", "wkv_a")]}
 
 
-def _older_names(key: str) -> tuple[str, str] | None:
+def _alternatives(key: str) -> list[tuple[str, ...]]:
     parts = key.split(".")
     hit = next((i for i, p in enumerate(parts) if p in STACKED), None)
     if hit is None:
-        return None
-    return tuple(".".join(parts[:hit] + [old] + parts[hit + 1:]) for old in STACKED[parts[hit]])
+        return []
+    return [tuple(".".join(parts[:hit] + [old] + parts[hit + 1:]) for old in olds) for olds in STACKED[parts[hit]]]
 
 
-def _half(v: Any, i: int, where: str) -> Any:
-    """Half ``i`` of ``v`` along dim -2 as a view (a DTensor's of its local piece), recursively through a dict;
-    a scalar (an optimizer's step) as itself for the first half, a copy for the second."""
+def _part(v: Any, start: int, rows: int, where: str) -> Any:
+    """Rows ``[start, start + rows)`` of ``v`` along dim -2 as a view (a DTensor's of its local piece), recursively
+    through a dict; a scalar (an optimizer's step) as itself for the first part, a copy for the others."""
     if isinstance(v, dict):
-        return {k: _half(t, i, f"{where}.{k}") for k, t in v.items()}
+        return {k: _part(t, start, rows, f"{where}.{k}") for k, t in v.items()}
     if not isinstance(v, torch.Tensor) or v.dim() < 2:
-        return v if i == 0 or not isinstance(v, torch.Tensor) else v.clone()
+        return v if start == 0 or not isinstance(v, torch.Tensor) else v.clone()
     if not isinstance(v, DTensor):
-        return v.chunk(2, dim=-2)[i]
+        return v.narrow(-2, start, rows)
     if any(p.is_shard(v.dim() - 2) or p.is_shard(-2) for p in v.placements):
-        raise ValueError(f"{where}: the checkpoint holds it as two tensors (written before they were stacked), and "
-                         f"this layout shards the stacked one along the stacking dimension; resume once with "
+        raise ValueError(f"{where}: the checkpoint holds it as separate tensors (written before they were stacked), "
+                         f"and this layout shards the stacked one along the stacking dimension; resume once with "
                          f"another layout (e.g. parallel.zero=0) and save")
-    shape = (*v.shape[:-2], v.shape[-2] // 2, v.shape[-1])
-    return DTensor.from_local(v.to_local().chunk(2, dim=-2)[i], v.device_mesh, v.placements, run_check=False,
+    shape = (*v.shape[:-2], rows, v.shape[-1])
+    return DTensor.from_local(v.to_local().narrow(-2, start, rows), v.device_mesh, v.placements, run_check=False,
                               shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
 @contextlib.contextmanager
-def stacked_from_older(state: dict, saved: Collection[str]) -> Iterator[None]:
+def stacked_from_older(state: dict, saved: dict[str, tuple | None]) -> Iterator[None]:
     """Inside it, ``state`` (a nested dict of what a DCP load fills) names every stacked parameter (``STACKED``)
-    that the checkpoint holds only under its older names (``saved``: the checkpoint's flattened keys) by those
-    names, each a view of its half of the stacked tensor: loading fills the stacked tensors in place. On exit
-    ``state`` has its own keys again."""
-    saved = set(saved)
+    that the checkpoint holds only under its older names by those names, each a view of its rows of the stacked
+    tensor (as many as the checkpoint's tensor of that name has along dim -2), so that loading fills the stacked
+    tensors in place. ``saved``: the checkpoint's flattened keys and their shapes (``checkpoint.state_keys``). On
+    exit ``state`` has its own keys again."""
     undo = []
 
-    def holds(key: str) -> bool:
-        return key in saved or any(k.startswith(key + ".") for k in saved)
+    def held(key: str) -> list[tuple]:   # the shapes of the tensors saved under key (itself, or a dict's members)
+        return [s for k, s in saved.items() if (k == key or k.startswith(key + ".")) and s is not None]
 
     def walk(d: dict, prefix: str) -> None:
         for k in list(d):
-            old = _older_names(k)
-            if old is not None and not holds(prefix + k) and all(holds(prefix + o) for o in old):
-                v = d.pop(k)
-                d.update({o: _half(v, i, prefix + k) for i, o in enumerate(old)})
-                undo.append((d, k, v, old))
+            olds = next((o for o in _alternatives(prefix + k) if all(held(n) for n in o)), None)
+            if olds is not None and not held(prefix + k):
+                v, names = d.pop(k), [n[len(prefix):] for n in olds]
+                sizes = [next(s[-2] for s in held(n) if len(s) >= 2) for n in olds]   # each one's rows
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                d.update({n: _part(v, a, r, prefix + k) for n, a, r in zip(names, starts, sizes)})
+                undo.append((d, k, v, names))
             elif isinstance(d[k], dict):
                 walk(d[k], f"{prefix}{k}.")
     walk(state, "")
     try:
         yield
     finally:
-        for d, k, v, old in reversed(undo):
-            for o in old:
-                d.pop(o, None)
+        for d, k, v, names in reversed(undo):
+            for n in names:
+                d.pop(n, None)
             d[k] = v

@@ -199,8 +199,8 @@ def test_apply_fp8_swaps_by_name_and_keeps_parameters():
     model.layers[2].ffn.experts.expert_offset = 4          # the EP shard offset (apply_ep) survives
     names = apply_fp8(model, backend="emulation")
     assert model.layers[2].ffn.experts.expert_offset == 4
-    assert len(names) == 39                          # 5 layers x 5 MLA projections, 1 dense MLP (w13, w2), 4 x (shared
-    #                                                  w13, w2 + routed)
+    assert len(names) == 34                          # 5 layers x 4 MLA projections (wqkv_a, wq_b, wkv_b, wo), 1 dense
+    #                                                  MLP (w13, w2), 4 x (shared w13, w2 + routed)
     assert "layers.0.ffn.w2" in names and "mtp.0.block.ffn.experts" in names
     assert "layers.1.ffn.shared_experts.w13" in names and "layers.3.attn.wkv_b" in names
     for name, module in model.named_modules():

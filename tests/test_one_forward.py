@@ -79,7 +79,7 @@ def model_logic(tree: ast.Module) -> list[str]:
 
 def test_the_sets_cover_the_model():
     assert {"attn", "attn_norm", "ffn_norm", "gate", "shared_experts", "experts", "head", "embed", "eh_proj",
-            "enorm", "hnorm", "wkv_a"} <= SUBMODULES
+            "enorm", "hnorm", "wqkv_a"} <= SUBMODULES
     assert {"rope_cos_sin", "apply_rope", "sequence_balance_loss", "_ce", "head_loss_steps"} <= FUNCTIONS
     assert {"attention", "balance", "post_combine"} <= METHODS
 

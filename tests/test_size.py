@@ -35,8 +35,8 @@ def v3_rank0_params_by_hand() -> tuple[int, int]:
     """
     D, H, V = 7168, 128, 129280
     q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
-    attn = (D * q_lora + q_lora + q_lora * H * (nope + rope)      # wq_a, q_norm, wq_b
-            + D * (kv_lora + rope) + kv_lora + kv_lora * H * (nope + v)  # wkv_a, kv_norm, wkv_b
+    attn = (D * q_lora + q_lora + q_lora * H * (nope + rope)      # wqkv_a (query rows), q_norm, wq_b
+            + D * (kv_lora + rope) + kv_lora + kv_lora * H * (nope + v)  # wqkv_a (kv rows), kv_norm, wkv_b
             + H * v * D)                                          # wo
     norms = 2 * D
     dense_ffn = 3 * D * 18432

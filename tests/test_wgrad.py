@@ -183,7 +183,7 @@ def test_whole_model_b_w_per_micro_batch():
     want = grads(ref)
     queue = WeightGradQueue()
     names = apply_deferred_wgrad(model, queue)
-    assert len(names) == 4 * 5 + 4 * 2 + 3 + 2     # 4 blocks x 5 MLA, 4 MLPs (dense + 3 shared) x 2, experts,
+    assert len(names) == 4 * 4 + 4 * 2 + 3 + 2     # 4 blocks x 4 MLA, 4 MLPs (dense + 3 shared) x 2, experts,
     #                                                eh_proj + head
     for i, (ids, labels) in enumerate(mbs):
         queue.backward(i, [model.compute_loss(ids, labels, MTP, AUX).loss], [None], [], model.parameters())

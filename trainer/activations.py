@@ -30,14 +30,15 @@ the bytes a layer drops, full a whole dense layer, or the largest region of a Mo
 routed experts' 4*K*F*a, the shared experts' 4*F_s*a).
 FP8 (``train.precision=fp8``, ``parallel/fp8.py``, ``fp8=True``): an FP8 linear or expert GEMM saves its input only
 as its own FP8 copy, c(n) = n + n/32 per token (E4M3 and an FP32 scale per 128 tokens of each feature), each
-linear separately (wq_a or wq and wkv_a: 2*c(D); w13, gate and up in one linear: c(D)). The
+linear separately (the attention's input one copy: ``wqkv_a`` stacks its query and key/value projections; an MLP's
+one: ``w13`` stacks gate and up). The
 head, the gate and MTP's eh_proj are not FP8: their inputs, and the norms before them, are as above.
-  none      attention: norm(D) -> D*f + D*a + 2*c(D), norm(q_lora) -> q_lora*(f + a) + c(q_lora), likewise
+  none      attention: norm(D) -> D*f + D*a + c(D), norm(q_lora) -> q_lora*(f + a) + c(q_lora), likewise
             kv_lora; core: the output's reshaped copy (wo's input) c(H*d_v) instead of H*d_v*a
             dense FFN = D*f + D*a + c(D) + 3*I*a + c(I)   (w13's copy, gate and up, SiLU, w2's copy)
             MoE: routed experts K*D*a + K*c(D) + 3*K*F*a + K*c(F) (the returned copy; the dispatched one is kept
             only as w13's copy), shared experts c(D) + 3*F_s*a + c(F_s); the FFN norm keeps D*f + 2*D*a
-  selective snorm = D*a + 2*c(D) (attention; the dense FFN's D*a + c(D), the MoE norm's stays 2*D*a); wo keeps
+  selective snorm = D*a + c(D) (attention, dense FFN; the MoE norm's stays 2*D*a); wo keeps
             c(H*d_v); dense FFN = snorm + 2*I*a + c(I); a MoE SwiGLU keeps h13 as FP8 (``FP8CachedSwiGLU``, 1x128
             tiles along its 2n features): s8(n) = 2*n + 4*ceil(2*n/128); routed experts K*D*a + K*c(D) + K*s8(F)
             + K*c(F), shared experts c(D) + s8(F_s) + c(F_s)
@@ -126,11 +127,11 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
     K, F, E, I = m.n_activated_experts, m.moe_inter_dim, m.n_routed_experts, m.inter_dim
     Fs = F * m.n_shared_experts
-    # an input saved by one linear (x1) or by two (x2: wq_a and wkv_a): one copy in the activation dtype, or under
-    # fp8 each linear's own FP8 copy c(n); h: a MoE SwiGLU's h13 under selective
+    # an input saved by a linear (x1): one copy in the activation dtype, or under fp8 the linear's own FP8 copy c(n);
+    # h: a MoE SwiGLU's h13 under selective
     act = lambda n: n * a                       # noqa: E731
     c = lambda n: n + n / 32                    # noqa: E731  E4M3, an FP32 scale per 128 tokens
-    x1, x2 = (c, lambda n: 2 * c(n)) if fp8 else (act, act)
+    x1 = c if fp8 else act
     h = (lambda n: 2 * n - 4 * (-2 * n // 128)) if fp8 and recompute == "selective" else (lambda n: 2 * n * a)
     shared_in = c(D) if fp8 and Fs else 0  # the shared experts' w13 copy (else the gate's input)
 
@@ -141,17 +142,17 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
             else (2 * H * qk + H * (N + V) + H * V) * a + x1(H * V) + H * f)
     route, loss = E * f + 2 * K * f + 16 * K, HEAD_KEEPS[head_loss](m.vocab_size, a)   # loss: what one head's keeps
     experts, shared = K * D * a + K * x1(D) + 3 * K * F * a + K * x1(F), shared_in + 3 * Fs * a + x1(Fs)
-    attn = norm(D, x2) + (norm(Q, x1) if Q else 0) + norm(L, x1) + R * a + core
+    attn = norm(D, x1) + (norm(Q, x1) if Q else 0) + norm(L, x1) + R * a + core
     moe, dense, head = norm(D) + route + experts + shared, norm(D, x1) + 3 * I * a + x1(I), norm(D) + loss
     out = {"dense_layer": attn + dense, "moe_layer": attn + moe, "head": head,
            "mtp": 2 * norm(D) + 2 * D * a + attn + moe + head, "dense_region": 0, "moe_region": 0}
     if recompute == "selective":
-        snorm = D * a + x2(D)
+        snorm = D * a + x1(D)
         s_attn = snorm + (Q or H * qk) * a + (L + R) * a + x1(H * V)   # MLA.core's latents, wo's input
         s_shared = shared_in + h(Fs) + x1(Fs)
         s_moe = 2 * D * a + route + K * D * a + K * x1(D) + K * h(F) + K * x1(F) + s_shared
         s_head = 2 * D * a + loss
-        sel = {"dense_layer": s_attn + D * a + x1(D) + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
+        sel = {"dense_layer": s_attn + snorm + 2 * I * a + x1(I), "moe_layer": s_attn + s_moe, "head": s_head,
                "mtp": 3 * D * a + s_attn + s_moe + s_head}
         out.update(sel, dense_region=out["dense_layer"] - sel["dense_layer"],
                    moe_region=out["moe_layer"] - sel["moe_layer"])
@@ -171,13 +172,13 @@ def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_at
 
 def wgrad_held_bytes_per_token(m: ModelConfig, a: int) -> dict:
     """Bytes per token the deferred weight-gradient queue (``parallel/wgrad.py``) holds from a stage's B to its
-    W, whatever the recompute mode: every deferred linear's input x and output gradient dy (inputs shared by
-    two linears counted once: wq_a/wkv_a), and per routed copy the experts' x, dy, SwiGLU product and the
-    gradient of h13. ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one depth)."""
+    W, whatever the recompute mode: every deferred linear's input x and output gradient dy (the stacked
+    wqkv_a and w13 one linear each), and per routed copy the experts' x, dy, SwiGLU product and the gradient of
+    h13. ``dense_layer``, ``moe_layer``, ``head`` (one use), ``mtp`` (one depth)."""
     D, H, R, N, V = m.dim, m.n_heads, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim
     Q, L, qk = m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim
     K, F, I, Fs = m.n_activated_experts, m.moe_inter_dim, m.inter_dim, m.moe_inter_dim * m.n_shared_experts
-    q = (Q + Q + H * qk) if Q else H * qk            # (x of wq_b, dy of wq_a,) dy of wq_b / wq
+    q = (Q + Q + H * qk) if Q else H * qk            # (x of wq_b, dy of wqkv_a's query rows,) dy of wq_b / them
     attn = (D + q + L + (L + R) + H * (N + V) + H * V + D) * a   # x shared, kv a/b, wo's x and dy
     swiglu = lambda inter: (2 * D + 3 * inter) * a   # noqa: E731  x, dy of w13, w2's x, its dy
     moe = attn + (swiglu(Fs) if Fs else 0) + K * (2 * D + 3 * F) * a
