@@ -25,6 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + y`` and ``rms_norm(h)``: a branch added to the residual stream and the norm after it, one chain of
+    elementwise work (``RMSNorm.residual``)."""
+    h = x + y
+    return h, rms_norm(h, weight, eps)
+
+
 def swiglu(h13: torch.Tensor) -> torch.Tensor:
     """The gated activation ``silu(h1) * h3`` of ``h13 = [h1 | h3]`` along the last dimension (the output of one
     GEMM with the gate and up weights stacked, ``w13``)."""
@@ -40,6 +48,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, self(h))`` for ``h = x + y``: the residual stream after a branch and its norm. Here an add and this
+        module's forward (its hooks and a recomputed forward apply); a transform may run both as one region
+        (``add_rms_norm``, ``parallel/compile.py``), whose backward sums ``h``'s two gradients as it goes."""
+        h = x + y
+        return h, self(h)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

@@ -33,12 +33,13 @@ class Block(nn.Module):
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if isinstance(self.ffn, MoE):
             return drive(self.steps(x_BTD, rope))[0]
-        h = self.attention(x_BTD, rope)
-        return h + self.ffn(self.ffn_norm(h))
+        h, u = self.ffn_norm.residual(x_BTD, self.attention(x_BTD, rope))
+        return h + self.ffn(u)
 
     def attention(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The residual stream after attention."""
-        return x_BTD + self.attn(self.attn_norm(x_BTD), rope)
+        """The attention's output, which the residual stream adds (with the FFN norm after it:
+        ``RMSNorm.residual``)."""
+        return self.attn(self.attn_norm(x_BTD), rope)
 
     def steps(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               aux: torch.Tensor | None = None) -> Steps:
@@ -46,8 +47,8 @@ class Block(nn.Module):
         A dense block has no cut and runs as one ``forward`` call."""
         if not isinstance(self.ffn, MoE):
             return self(x_BTD, rope), aux
-        h = self.attention(x_BTD, rope)
-        (y, own), (h, aux) = yield from carrying(self.ffn.steps(self.ffn_norm(h)), (h, aux))
+        h, u = self.ffn_norm.residual(x_BTD, self.attention(x_BTD, rope))
+        (y, own), (h, aux) = yield from carrying(self.ffn.steps(u), (h, aux))
         return h + y, _add(aux, own)
 
 

@@ -1,7 +1,9 @@
 """Regional ``torch.compile`` (``train.compile``): ``apply_compile(model, backend)`` runs the model's elementwise
 chains as generated kernels, the rest of the forward as written.
 
-Regions: every ``RMSNorm`` (``models.layers.rms_norm``), every ``SwiGLU`` product (``models.layers.swiglu``:
+Regions: every ``RMSNorm`` (``models.layers.rms_norm``; the FFN norm with the residual add before it,
+``RMSNorm.residual``: ``models.layers.add_rms_norm``, whose backward sums the residual stream's two gradients),
+every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
 (``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
 attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 
 from models.attention import MLA, key_value_heads, query_heads
-from models.layers import RMSNorm, SwiGLU, rms_norm, swiglu
+from models.layers import RMSNorm, SwiGLU, add_rms_norm, rms_norm, swiglu
 from models.moe import LocalDispatcher, MoE, balance_and_load, select_experts, unsort_and_weight
 
 log = logging.getLogger("parallel")
@@ -185,11 +187,16 @@ def _norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return region(rms_norm, self.compile_backend)(x, self.weight, self.eps)
 
 
+def _norm_residual(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return region(add_rms_norm, self.compile_backend)(x, y, self.weight, self.eps)
+
+
 def _swiglu_forward(self, h13: torch.Tensor) -> torch.Tensor:
     return region(swiglu, self.compile_backend)(h13)
 
 
 FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
+OTHER_METHODS = {RMSNorm: {"residual": _norm_residual}}   # the compiled class's methods besides its forward
 
 
 class Region:
@@ -238,7 +245,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
         key = (base, backend)
         if key not in classes:
             classes[key] = type(f"Compiled{base.__name__}", (base,), {
-                "forward": FORWARDS[base], "compiled_from": base, "compile_backend": backend, "__module__": __name__,
+                "forward": FORWARDS[base], **OTHER_METHODS.get(base, {}), "compiled_from": base, "compile_backend": backend, "__module__": __name__,
                 "__doc__": f"{base.__name__} run as one compiled region ({backend}; parallel/compile.py)."})
         m.__class__ = classes[key]
         names.append(name)

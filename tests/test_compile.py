@@ -202,10 +202,16 @@ def _norm(x, w):
     return rms_norm(x, w, 1e-6)
 
 
+def _residual_norm(x, y, w):
+    from models.layers import add_rms_norm
+    return add_rms_norm(x, y, w, 1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_regions_on_cuda_equal_eager(dtype):
-    """Inductor's kernels for the norm, SwiGLU, combine and attention-heads regions vs eager: FP32 to rounding,
+    """Inductor's kernels for the norm (alone and after the residual add), SwiGLU, combine and attention-heads
+    regions vs eager: FP32 to rounding,
     BF16 within one BF16 rounding (inductor keeps the norm's FP32 statistics in registers)."""
     from models.attention import key_value_heads, query_heads
     from models.layers import swiglu
@@ -238,7 +244,8 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
         x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype)
         w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(dtype)
         check(_norm, x, w)
-        check(swiglu, x, torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype))
+        check(_residual_norm, x, torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype), w)
+        check(swiglu, torch.randn(rows, 2 * 1024, generator=g, device="cuda", dtype=dtype))
         order = torch.randperm(rows, generator=g, device="cuda")          # rows = T * K copies, K = 8
         check(unsort_and_weight, x, order, torch.rand(rows // 8, 8, generator=g, device="cuda"))
 

@@ -23,7 +23,7 @@ MODEL_FILES = ("models/layers.py", "models/attention.py", "models/moe.py", "mode
 # models/ (the modules' own forwards call the same functions), never re-implements.
 ALLOWED = {"build", "expert_counts", "inverse_permutation", "unsort_and_weight", "gate_weighted_sum", "span_steps",
            "drive", "carrying", "rms_norm", "swiglu", "rope_heads", "query_heads", "key_value_heads", "select_experts",
-           "balance_and_load"}
+           "balance_and_load", "add_rms_norm"}
 
 
 def _submodule_names() -> set[str]:
