@@ -96,16 +96,20 @@ def stacked_from_older(state: dict, saved: dict[str, tuple | None]) -> Iterator[
     tensors in place. ``saved``: the checkpoint's flattened keys and their shapes (``checkpoint.state_keys``). On
     exit ``state`` has its own keys again."""
     undo = []
-
-    def held(key: str) -> list[tuple]:   # the shapes of the tensors saved under key (itself, or a dict's members)
-        return [s for k, s in saved.items() if (k == key or k.startswith(key + ".")) and s is not None]
+    rows: dict[str, int | None] = {}   # every key and dict name saved -> dim -2 of a 2-D+ tensor under it (or None)
+    for k, shape in saved.items():
+        parts = k.split(".")
+        for i in range(1, len(parts) + 1):
+            name = ".".join(parts[:i])
+            if rows.get(name) is None:
+                rows[name] = shape[-2] if shape is not None and len(shape) >= 2 else None
 
     def walk(d: dict, prefix: str) -> None:
         for k in list(d):
-            olds = next((o for o in _alternatives(prefix + k) if all(held(n) for n in o)), None)
-            if olds is not None and not held(prefix + k):
+            olds = next((o for o in _alternatives(prefix + k) if all(n in rows for n in o)), None)
+            if olds is not None and prefix + k not in rows:
                 v, names = d.pop(k), [n[len(prefix):] for n in olds]
-                sizes = [next(s[-2] for s in held(n) if len(s) >= 2) for n in olds]   # each one's rows
+                sizes = [rows[n] for n in olds]   # each one's rows in the checkpoint
                 starts = [sum(sizes[:i]) for i in range(len(sizes))]
                 d.update({n: _part(v, a, r, prefix + k) for n, a, r in zip(names, starts, sizes)})
                 undo.append((d, k, v, names))
