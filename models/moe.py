@@ -157,11 +157,6 @@ class GroupedExperts(nn.Module):
         per_elem = x_RD.element_size()
         return (w.shape[1] * per_elem) % 16 == 0 and (w.shape[2] * per_elem) % 16 == 0
 
-    @property
-    def inter_dim(self) -> int:
-        """F, each expert's intermediate size (``w2``'s input width)."""
-        return self.w2.shape[-1]
-
     def init_weights(self, std: float) -> None:
         gate, up = self.w13.chunk(2, dim=-2)
         normal_in_order_([gate, self.w2, up], std)
