@@ -7,7 +7,8 @@ the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 momen
 moments became the default), G and H: C and D with their forward and backward replayed from a CUDA graph
 (``train.cuda_graph``, the trainer's default for G), I G at batch 8, J H with the opt-in ``quant_act_both``, K H
 with torch's copy instead of the weights' transpose kernel (the baseline), L G with each new compiled graph
-checked against eager. All
+checked against eager, M G with the FFN norms' compiled regions taking the residual add before them
+(``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured). All
 with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
 host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
@@ -39,9 +40,12 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
     "K": ("H with torch's copy for the weights' Dgrad copies, not the transpose kernel (DSV3_FP8_TRANSPOSE=0)", "fp8",
           "auto", "auto", 4, "auto", True),
     "L": ("G with the compiled regions' check (DSV3_COMPILE_CHECK=1)", "bf16", "auto", "auto", 4, "auto", True),
+    "M": ("G with the residual add in the FFN norm's region (DSV3_COMPILE_RESIDUAL=1)", "bf16", "auto", "auto", 4,
+          "auto", True),
 }
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
-ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"}}
+ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
+       "M": {"DSV3_COMPILE_RESIDUAL": "1"}}
 
 
 @contextlib.contextmanager

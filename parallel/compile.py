@@ -1,9 +1,9 @@
 """Regional ``torch.compile`` (``train.compile``): ``apply_compile(model, backend)`` runs the model's elementwise
 chains as generated kernels, the rest of the forward as written.
 
-Regions: every ``RMSNorm`` (``models.layers.rms_norm``; the FFN norm with the residual add before it,
-``RMSNorm.residual``: ``models.layers.add_rms_norm``, whose backward sums the residual stream's two gradients),
-every ``SwiGLU`` product (``models.layers.swiglu``:
+Regions: every ``RMSNorm`` (``models.layers.rms_norm``; with ``RESIDUAL_ENV=1`` the FFN norm with the residual add
+before it too, ``RMSNorm.residual``: ``models.layers.add_rms_norm``, whose backward sums the residual stream's two
+gradients: opt-in until a GPU has run its generated kernels), every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
 (``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
 attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
@@ -52,6 +52,7 @@ log = logging.getLogger("parallel")
 
 MODES = ("auto", "on", "off")   # train.compile
 CHECK_ENV = "DSV3_COMPILE_CHECK"   # "1": every new graph checked against eager (module doc)
+RESIDUAL_ENV = "DSV3_COMPILE_RESIDUAL"   # "1": RMSNorm.residual compiled as one region (OTHER_METHODS; module doc)
 # Graphs a region may keep (dynamo's recompile limit, 8 by default): a norm sees 3 widths (model, q and kv latents),
 # BF16 and FP32 inputs, training and no-grad evaluation, and batch shapes; past the limit dynamo runs it eagerly.
 RECOMPILE_LIMIT = 64
@@ -196,7 +197,8 @@ def _swiglu_forward(self, h13: torch.Tensor) -> torch.Tensor:
 
 
 FORWARDS = {RMSNorm: _norm_forward, SwiGLU: _swiglu_forward}
-OTHER_METHODS = {RMSNorm: {"residual": _norm_residual}}   # the compiled class's methods besides its forward
+# The compiled class's methods besides its forward, with RESIDUAL_ENV=1 (no GPU has run the fused region yet)
+OTHER_METHODS = {RMSNorm: {"residual": _norm_residual}}
 
 
 class Region:
@@ -244,8 +246,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
             continue
         key = (base, backend)
         if key not in classes:
+            others = OTHER_METHODS.get(base, {}) if os.environ.get(RESIDUAL_ENV) == "1" else {}
             classes[key] = type(f"Compiled{base.__name__}", (base,), {
-                "forward": FORWARDS[base], **OTHER_METHODS.get(base, {}), "compiled_from": base, "compile_backend": backend, "__module__": __name__,
+                "forward": FORWARDS[base], **others, "compiled_from": base, "compile_backend": backend,
+                "__module__": __name__,
                 "__doc__": f"{base.__name__} run as one compiled region ({backend}; parallel/compile.py)."})
         m.__class__ = classes[key]
         names.append(name)
@@ -264,4 +268,4 @@ def compiled(model: nn.Module) -> list[str]:
          if isinstance(owner.__dict__.get(attr.rsplit(".", 1)[-1]), Region)]
 
 
-__all__ = ["CHECK_ENV", "MODES", "Region", "apply_compile", "compiled", "enabled", "region"]
+__all__ = ["CHECK_ENV", "MODES", "RESIDUAL_ENV", "Region", "apply_compile", "compiled", "enabled", "region"]

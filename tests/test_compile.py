@@ -76,6 +76,21 @@ def test_compiled_step_equals_eager():
     assert_same(loss_and_grads(model), loss_and_grads(comp))
 
 
+def test_the_residual_region_is_opt_in_and_equals_eager(monkeypatch):
+    """``RMSNorm.residual`` (the FFN norm with the residual add before it) is compiled only with ``RESIDUAL_ENV=1``
+    (no GPU has run its kernels yet); then the step still equals eager."""
+    from parallel.compile import OTHER_METHODS, RESIDUAL_ENV
+    model = tiny()
+    default = copy.deepcopy(model)
+    apply_compile(default, backend="aot_eager")
+    assert type(default.layers[0].ffn_norm).residual is RMSNorm.residual
+    monkeypatch.setenv(RESIDUAL_ENV, "1")
+    comp = copy.deepcopy(model)
+    apply_compile(comp, backend="aot_eager")
+    assert type(comp.layers[0].ffn_norm).residual is OTHER_METHODS[RMSNorm]["residual"]
+    assert_same(loss_and_grads(model), loss_and_grads(comp))
+
+
 def test_compiled_regions_recompute():
     """Compile before recompute (``parallel.parallelize``'s order): the regions are compiled and recomputed."""
     model = tiny()

@@ -187,7 +187,8 @@ def _apart(monkeypatch) -> None:
     """The stacked weights apart, as every measured step below ran (``w13`` and ``wqkv_a`` stack them now), each its
     own GEMM and the input's gradient the sum of two: the gate and up projections ``w1`` and ``w3`` (``MLP``,
     ``GroupedExperts``, and the SwiGLU's compiled region of two inputs), the attention's ``wq_a`` and ``wkv_a``; and
-    the residual add after attention outside the FFN norm's compiled region (``RMSNorm.residual`` eager)."""
+    the residual add after attention outside the FFN norm's compiled region (``RMSNorm.residual`` eager, as it is by
+    default: ``RESIDUAL_ENV``)."""
     from torch import nn
 
     from models.attention import MLA
@@ -307,12 +308,16 @@ def test_stacked_weights_and_the_residual_region_drop_adds(monkeypatch):
     """``w13``: per MoE layer one grouped GEMM and one input gradient instead of two and an add over the R = T*K
     routed copies, likewise per MLP (the dense layer, the shared experts) over the T tokens: 12 MoE layers (11 and
     MTP's) and 13 MLPs. ``wqkv_a``: the same per attention (13) over the T tokens, less the concatenation of its
-    two parts' gradients (the split's backward). ``RMSNorm.residual`` compiled: the residual add after each of the
+    two parts' gradients (the split's backward). ``RMSNorm.residual`` compiled (opt-in, ``parallel.compile.
+    RESIDUAL_ENV``): the residual add after each of the
     13 attentions inside the FFN norm's region, forward and backward (there it sums the residual stream's two
     gradients). Unmeasured on a GPU: the roofline prices the adds removed (each read twice, written once), their
     launches, and one input read fewer per GEMM pair."""
+    from parallel.compile import RESIDUAL_ENV
     cfg = compose(["+exp=v3_small"])
-    now = record_step(cfg, 12)[0]
+    with monkeypatch.context() as m:
+        m.setenv(RESIDUAL_ENV, "1")   # the fused residual region is opt-in
+        now = record_step(cfg, 12)[0]
     with monkeypatch.context() as m:
         _apart(m)
         then = record_step(cfg, 12)[0]
