@@ -58,8 +58,7 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_head_dim = cfg.qk_head_dim
-        # the query rows of wqkv_a: the query latent, or without q_lora_rank the queries themselves
-        self.q_rows = cfg.q_lora_rank or cfg.n_heads * qk_head_dim
+        self.q_rows = cfg.q_rows
         self.wqkv_a = nn.Linear(cfg.dim, self.q_rows + cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         if cfg.q_lora_rank:
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)

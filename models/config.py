@@ -55,6 +55,12 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def q_rows(self) -> int:
+        """The query rows of the attention's input projection (``MLA.wqkv_a``): the query latent, or without
+        ``q_lora_rank`` the queries themselves."""
+        return self.q_lora_rank or self.n_heads * self.qk_head_dim
+
+    @property
     def experts_per_group(self) -> int:
         return self.n_routed_experts // self.n_expert_groups
 

@@ -155,10 +155,9 @@ def _parts(name: str, keys: tuple[str, str], t: torch.Tensor, cfg: ModelConfig) 
     """A stacked tensor's parts along dim -2 under their HF keys: ``wqkv_a``'s query rows (``q_a_proj``, or
     ``q_proj`` without ``q_lora_rank``) and key/value rows; a ``w13``'s gate and up halves."""
     if name.endswith("attn.wqkv_a.weight"):
-        q = cfg.q_lora_rank or cfg.n_heads * cfg.qk_head_dim
         if not cfg.q_lora_rank:
             keys = (keys[0].replace(".q_a_proj.", ".q_proj."), keys[1])
-        return list(zip(keys, t.split([q, t.shape[-2] - q], dim=-2)))
+        return list(zip(keys, t.split([cfg.q_rows, t.shape[-2] - cfg.q_rows], dim=-2)))
     return list(zip(keys, t.chunk(2, dim=-2)))
 
 

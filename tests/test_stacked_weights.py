@@ -19,7 +19,7 @@ from trainer.run_state import load_into
 
 def _older(sd: dict, cfg) -> dict:
     """``sd`` as a checkpoint from before the stacking: each stacked tensor's parts under the older names."""
-    q_rows = cfg.q_lora_rank or cfg.n_heads * cfg.qk_head_dim
+    q_rows = cfg.q_rows
     out = {}
     for k, v in sd.items():
         if ".w13" in k:
