@@ -117,3 +117,95 @@ def test_what_each_loss_keeps_for_the_backward_is_what_the_memory_plan_counts():
     plain = _kept_bytes(ce.reference_cross_entropy, logits, labels)
     assert fused == N * HEAD_KEEPS["fused"](V, 2) + 8            # + the count of labels, one int64
     assert plain == N * HEAD_KEEPS["plain"](V, 2) + 4            # + nll_loss's total weight, one FP32
+
+
+def head_problem(N, D, V, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g).to(device=DEV, dtype=dtype)
+    w = (torch.randn(V, D, generator=g) * 0.3).to(device=DEV, dtype=dtype)
+    labels = torch.randint(0, V, (N,), generator=g).to(DEV)
+    labels[::5] = ce.IGNORE
+    return x, w, labels
+
+
+def head_grads(fn, x, w, labels, scale):
+    a, b = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss = fn(a, b, labels)
+    (loss * scale).backward()
+    return loss.detach(), a.grad, b.grad
+
+
+def fused_head(x, w, labels):
+    return ce.triton_cross_entropy(torch.nn.functional.linear(x, w), labels, block_v=256)
+
+
+def inplace_head(x, w, labels):
+    return ce.triton_head_cross_entropy(x, w, labels, block_v=256)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_the_gradient_in_the_forward_equals_the_fused_head_in_fp32(scale):
+    """``head_cross_entropy`` (``train.head_loss=inplace``): the loss, and the head input's and weight's gradients
+    (the incoming gradient applied through the GEMMs' small operands) equal the fused head's to FP32 rounding."""
+    x, w, labels = head_problem(37, 48, 1000, torch.float32)
+    want, dxw, dww = head_grads(fused_head, x, w, labels, scale)
+    got, dx, dw = head_grads(inplace_head, x, w, labels, scale)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    torch.testing.assert_close(dx, dxw, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dw, dww, rtol=1e-5, atol=1e-7)
+    assert (dw.abs().sum(1) > 0).all() and (dx[labels == ce.IGNORE] == 0).all()
+
+
+def test_the_gradient_in_the_forward_is_as_close_to_fp64_as_the_fused_head_in_bf16():
+    """BF16: the gradients carry one more rounding than the fused head's when the incoming gradient is not 1
+    (the GEMM's output, then its product with it); both stay within BF16's error of the FP64 truth."""
+    x, w, labels = head_problem(37, 48, 1000, torch.bfloat16, seed=3)
+    truth = head_grads(lambda a, b, y: ce.reference_cross_entropy(torch.nn.functional.linear(a, b), y),
+                       x.double(), w.double(), labels, 0.3)
+    for fn in (fused_head, inplace_head):
+        loss, dx, dw = head_grads(fn, x, w, labels, 0.3)
+        assert dx.dtype == dw.dtype == torch.bfloat16
+        torch.testing.assert_close(loss.double(), truth[0].double(), rtol=1e-3, atol=0)   # BF16 logits
+        for got, want in ((dx, truth[1]), (dw, truth[2])):
+            assert float((got.double() - want).norm() / want.norm()) < 8e-3
+
+
+def test_the_gradient_in_the_forward_under_autocast_and_without_grad():
+    """Under BF16 autocast the head's GEMM runs in BF16 and the gradients come back in the inputs' dtype (FP32),
+    as ``F.linear``'s do; without grad only the loss is computed (the plain kernel, no gradient pass)."""
+    x, w, labels = head_problem(21, 32, 700, torch.float32, seed=4)
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        want, dxw, dww = head_grads(fused_head, x, w, labels, 1.0)
+        got, dx, dw = head_grads(inplace_head, x, w, labels, 1.0)
+        with torch.no_grad():
+            quiet = inplace_head(x, w, labels)
+    assert dx.dtype == dw.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    assert float(quiet) == float(got)
+    for a, b in ((dx, dxw), (dw, dww)):   # the same BF16 values (g = 1: no second rounding), widened
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_head_check_catches_a_wrong_scale_and_leaves_the_fused_kernels_alone(monkeypatch):
+    assert ce.head_self_check(DEV) < ce.CHECK_TOL
+    monkeypatch.setattr(ce, "_scaled", lambda t, g, copy=False: (t.float() * g * (1 + 2 ** -7)).to(t.dtype))
+    assert ce.head_self_check(DEV) == float("inf")
+    assert ce.self_check(DEV) < ce.CHECK_TOL
+
+
+def test_the_gradient_in_the_forward_keeps_its_logits_buffer_only():
+    """``HEAD_KEEPS["inplace"]``: per token, the BF16 logits' buffer (holding their gradient) and nothing in FP32;
+    the head's input and weight are kept as the plain head's ``F.linear`` keeps them."""
+    from trainer.activations import HEAD_KEEPS
+    N, D, V = 24, 16, 1000
+    x, w, labels = head_problem(N, D, V, torch.bfloat16)
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    a, b = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = inplace_head(a, b, labels)
+    loss.backward()
+    assert sum(kept.values()) == N * HEAD_KEEPS["inplace"](V, 2) + a.nbytes + b.nbytes

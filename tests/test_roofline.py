@@ -334,6 +334,25 @@ def test_stacked_weights_and_the_residual_region_drop_adds(monkeypatch):
     assert saved * 1e3 > 3.0
 
 
+def test_the_gradient_in_the_forward_reads_the_logits_once():
+    """``train.head_loss=inplace`` against ``fused``, two heads (main: T tokens, MTP: T - B) of V BF16 logits: the
+    cross-entropy kernel writes the gradient over the logits in the forward (read and written once: the
+    backward's read and write of the fused kernel go, and the forward's write comes), and the backward scales
+    the GEMMs' small operands instead (two passes over each head's ``[N, D]``). Unmeasured on a GPU."""
+    cfg = compose(["+exp=v3_small"])
+    fused = record_step(cfg, 1)[0]
+    inplace = record_step(compose(["+exp=v3_small", "train.head_loss=inplace"]), 1)[0]
+    D, V, rows = 1024, 129280, 4 * 2048 + 4 * 2047
+    ce = {name: sum(s.bytes for k, s in r.stats.items() if k[1] == "softmax / loss") for name, r in
+          (("fused", fused), ("inplace", inplace))}
+    small = 64 * rows   # per row: the label, the loss, the fused kernel's log-sum-exp
+    assert abs(ce["fused"] - 3 * 2 * V * rows) < small and abs(ce["inplace"] - 2 * 2 * V * rows) < small
+    scale = by_op(inplace, "backward")["aten.mul"].bytes - by_op(fused, "backward")["aten.mul"].bytes
+    assert scale == 2 * 2 * 2 * D * rows + 2 * 2 * 4   # dx and x: read and written in BF16; g read twice per head
+    saved = sum(s.seconds for s in fused.stats.values()) - sum(s.seconds for s in inplace.stats.values())
+    assert saved * 1e3 > 1.2
+
+
 def test_fp8_is_refused_with_one_line(capsys):
     assert roofline.main(["+exp=tiny", "train.precision=fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

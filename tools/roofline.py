@@ -28,6 +28,7 @@ import collections
 import contextlib
 import dataclasses
 import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -346,6 +347,53 @@ def fused_cross_entropy(recorder: Recorder):
         head_loss.cross_entropy = original
 
 
+class _CrossEntropyLaunch:
+    """A Triton kernel of ``kernels/cross_entropy.py`` launched as ``kernel[grid](logits, labels, loss, ...)``,
+    recorded as one ``cross-entropy forward``: reads the logits; writes the per-row losses, and the logits' buffer
+    again where the kernel writes the gradient over it (``_ce_fwd_grad_kernel``)."""
+
+    def __init__(self, recorder: Recorder, in_place: bool):
+        self.recorder, self.in_place = recorder, in_place
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, logits, labels, loss, *args, **kwargs):
+        written = (logits, loss) if self.in_place else (loss, loss)   # the log-sum-exp: one more row of FP32
+        self.recorder.record("cross-entropy forward", None, (logits, labels), {}, written, 0.0)
+
+
+class _ScaleLaunch(_CrossEntropyLaunch):
+    """``kernels.cross_entropy._scale_kernel[grid](src, g, dst, ...)``: an elementwise pass, read and written."""
+
+    def __init__(self, recorder: Recorder):
+        super().__init__(recorder, False)
+
+    def __call__(self, src, g, dst, *args, **kwargs):
+        self.recorder.record("aten.mul", None, (src, g), {}, dst, 0.0)
+
+
+@contextlib.contextmanager
+def inplace_cross_entropy(recorder: Recorder):
+    """``train.head_loss=inplace`` as CUDA runs it: ``kernels.cross_entropy._HeadCrossEntropy`` with its kernels
+    recorded (``_CrossEntropyLaunch``); its GEMMs and small ops record themselves."""
+    from kernels import cross_entropy as ce
+    from parallel import head_loss
+    launches = types.SimpleNamespace(_ce_fwd_grad_kernel=_CrossEntropyLaunch(recorder, True),
+                                     _ce_fwd_kernel=_CrossEntropyLaunch(recorder, False),
+                                     _scale_kernel=_ScaleLaunch(recorder))
+
+    def head_ce(x, w, labels):
+        return ce._HeadCrossEntropy.apply(x, w, labels, None)
+
+    saved = ce._kernels, head_loss.head_cross_entropy
+    ce._kernels, head_loss.head_cross_entropy = (lambda: launches), head_ce
+    try:
+        yield
+    finally:
+        ce._kernels, head_loss.head_cross_entropy = saved
+
+
 # Ops inductor leaves to torch's own kernels inside a region (``topk``, ``sort``: unless ``decompose_sort_ops``; the
 # H100 profile of the default step counted a radix sort for each combine region's argsort when it had one).
 REGION_EXTERN = {"aten.topk", "aten.sort"} | GEMM
@@ -495,8 +543,8 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
         ids = torch.randint(0, model.cfg.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1))
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
-        with rec, fused_attention(rec), fused_cross_entropy(rec), compiled_regions(rec), as_on_cuda(), \
-                adamw_kernel_recorded(rec):
+        with rec, fused_attention(rec), fused_cross_entropy(rec), inplace_cross_entropy(rec), \
+                compiled_regions(rec), as_on_cuda(), adamw_kernel_recorded(rec):
             for _ in range(micro_batches):
                 rec.phase = "forward"
                 with autocast, CudaAutocastPolicy():

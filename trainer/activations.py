@@ -105,7 +105,7 @@ def v3_recipe_bytes(m: ModelConfig) -> dict:
 # activation dtype's a bytes): ``F.cross_entropy`` of the FP32 logits keeps the log-probabilities; the fused kernels
 # (``kernels/cross_entropy.py``, ``train.head_loss=fused`` on CUDA) keep the logits in their dtype and one FP32
 # log-sum-exp. ``train.head_loss=chunked`` keeps the head's input and weight gradients instead, counted as plain.
-HEAD_KEEPS = {"plain": lambda V, a: V * 4, "fused": lambda V, a: V * a + 4}
+HEAD_KEEPS = {"plain": lambda V, a: V * 4, "fused": lambda V, a: V * a + 4, "inplace": lambda V, a: V * a}
 
 
 def activation_bytes_per_token(m: ModelConfig, a: int, seq_len: int = 0, math_attention: bool = False,
