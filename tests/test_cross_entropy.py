@@ -209,3 +209,31 @@ def test_the_gradient_in_the_forward_keeps_its_logits_buffer_only():
         loss = inplace_head(a, b, labels)
     loss.backward()
     assert sum(kept.values()) == N * HEAD_KEEPS["inplace"](V, 2) + a.nbytes + b.nbytes
+
+
+def test_a_model_with_the_gradient_in_the_forward_equals_the_fused_head(monkeypatch):
+    """The tiny model (main and MTP heads on one weight, MTP's loss weighted 0.3: an incoming gradient that is
+    not 1) with ``train.head_loss=inplace`` against ``fused``: the loss and every parameter's gradient, in FP32.
+    Off CUDA the Triton paths are forced (the interpreter), as the heads would take them on a GPU."""
+    import models
+    from configs import model_preset
+    from parallel import head_loss
+    if DEV.type != "cuda":
+        monkeypatch.setattr(head_loss, "cross_entropy", lambda x, y: ce.triton_cross_entropy(x, y, block_v=256))
+        monkeypatch.setattr(head_loss, "head_cross_entropy",
+                            lambda x, w, y: ce.triton_head_cross_entropy(x, w, y, block_v=256))
+    ids = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEV)
+    runs = []
+    for kind in ("fused", "inplace"):
+        model = models.build(model_preset("tiny"), device=DEV, seed=0).train()
+        head_loss.apply_head_loss(model, kind)
+        out = model.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=0.3)
+        out.loss.backward()
+        runs.append((out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = runs
+    assert type(model.head) is head_loss.InplaceLossHead and float(b.mtp_loss) > 0
+    for x, y in ((a.loss, b.loss), (a.lm_loss, b.lm_loss), (a.mtp_loss, b.mtp_loss)):
+        torch.testing.assert_close(y, x, rtol=2e-6, atol=0)
+    assert ga.keys() == gb.keys() and "head.weight" in ga
+    for n in ga:
+        assert float((gb[n] - ga[n]).norm() / ga[n].norm().clamp_min(1e-30)) < 1e-5, n
