@@ -78,17 +78,18 @@ class MLA(nn.Module):
         normal_in_order_([q, *wq_b, kv, self.wkv_b.weight, self.wo.weight], std)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv_BTC = self.wqkv_a(x_BTD)
-        q_BTC, kv_BTC = qkv_BTC.split([self.q_rows, qkv_BTC.shape[-1] - self.q_rows], dim=-1)
-        return self.wo(self.core(q_BTC, kv_BTC, rope))
+        # one split in three: its backward is one concatenation of the three gradients, not two
+        q_BTC, kv_BTL, k_pe_BTR = self.wqkv_a(x_BTD).split([self.q_rows, self.kv_lora_rank, self.rope], dim=-1)
+        return self.wo(self.core(q_BTC, kv_BTL, k_pe_BTR, rope))
 
-    def core(self, q_BTC: torch.Tensor, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def core(self, q_BTC: torch.Tensor, kv_BTL: torch.Tensor, k_pe_BTR: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Attention from the latents (``wqkv_a``'s output: the query latent or, without ``q_lora_rank``, the
-        queries; the key/value latent with the rope key): the up-projections, rope and causal scaled-dot-product
+        queries; the key/value latent; the rope key): the up-projections, rope and causal scaled-dot-product
         attention; returns wo's input ``[B, T, H*V]``."""
         B, T, _ = q_BTC.shape
         q_BHTQ = self.q_up(q_BTC, rope)
-        k_BHTQ, v_BHTV = self.kv_up(kv_BTC, rope)
+        k_BHTQ, v_BHTV = self.kv_up(kv_BTL, k_pe_BTR, rope)
         o = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTV, is_causal=True, scale=self.softmax_scale)
         return o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)
 
@@ -99,10 +100,9 @@ class MLA(nn.Module):
         q = self.wq_b(self.q_norm(q_BTC)) if hasattr(self, "wq_b") else q_BTC
         return self.query_heads(q, *rope, self.n_heads, self.nope, self.rope_heads)
 
-    def kv_up(self, kv_BTC: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from the key/value rows of wqkv_a's output ``[B,T,L+R]``:
-        the latent through
-        kv_norm and the wkv_b up-projection, and the one shared rope key (rotated) appended to every head."""
-        kv_BTL, k_pe_BTR = kv_BTC.split([self.kv_lora_rank, self.rope], dim=-1)
+    def kv_up(self, kv_BTL: torch.Tensor, k_pe_BTR: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B,H,T,N+R]`` and values ``[B,H,T,V]`` from the key/value latent ``[B,T,L]`` through kv_norm and
+        the wkv_b up-projection, and the one shared rope key ``[B,T,R]`` (rotated) appended to every head."""
         return self.kv_heads(self.wkv_b(self.kv_norm(kv_BTL)), k_pe_BTR, *rope, self.n_heads, self.nope,
                              self.rope_heads)

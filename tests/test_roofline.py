@@ -204,7 +204,8 @@ def _apart(monkeypatch) -> None:
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
     monkeypatch.setattr(regional, "OTHER_METHODS", {})
     monkeypatch.setattr(MLA, "__init__", attention_init)
-    monkeypatch.setattr(MLA, "forward", lambda self, x, rope: self.wo(self.core(self.wq_a(x), self.wkv_a(x), rope)))
+    monkeypatch.setattr(MLA, "forward", lambda self, x, rope: self.wo(self.core(
+        self.wq_a(x), *self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1), rope)))
 
     def mlp_init(self, dim, inter_dim):
         nn.Module.__init__(self)
@@ -330,6 +331,8 @@ def test_stacked_weights_and_the_residual_region_drop_adds(monkeypatch):
     assert adds[1].calls - adds[0].calls == 51 and adds[1].bytes - adds[0].bytes == 3 * 2 * D * rows
     adds = [by_op(r, "forward")["aten.add"] for r in (now, then)]
     assert adds[1].calls - adds[0].calls == 13 and adds[1].bytes - adds[0].bytes == 3 * 2 * D * (12 * T + T_mtp)
+    cats = by_op(now, "backward")["aten.cat"]   # wqkv_a's output split in three at once: one concatenation each
+    assert cats.calls == 13 and cats.bytes == 2 * 2 * (512 + 256 + 32) * (12 * T + T_mtp)
     saved = sum(s.seconds for s in then.stats.values()) - sum(s.seconds for s in now.stats.values())
     assert saved * 1e3 > 3.0
 
