@@ -21,6 +21,9 @@ writes ``(softmax - onehot) / n_valid`` over it (the second read of the row most
 the head's two GEMMs on that buffer, scaled by the incoming gradient through their small operands (``dx = (d w) g``,
 ``dW = dᵀ (x g)``). Against ``fused``, the logits are read once and written once instead of read twice and written
 once: 2 bytes per logit less (v3_small, two heads of 8,192 x 129,280 BF16 logits: 4.2 GB a step), same memory.
+That needs the second read to hit L2: a 129,280-word row is 253 KiB, and an H100's 50 MB of L2 holds about 200 of
+them, about as many as its SMs run at once; where the rows in flight outgrow it, the second read goes to HBM and
+the two paths move the same bytes. Opt-in until a GPU has timed it (``bench.step_variants`` variant N).
 """
 from __future__ import annotations
 
