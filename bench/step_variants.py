@@ -1,5 +1,5 @@
 """One training step of ``v3_small`` on one GPU, variant against variant in one process:
-``python -m bench.step_variants [--layers 12] [--variants A,C,D,E] [--deadline-s 300] [--json out.json]``.
+``python -m bench.step_variants [--layers 12] [--variants A,C,D,E | pending] [--deadline-s 300] [--json out.json]``.
 
 Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast),
 B compiled regions with torch's AdamW, C the trainer's settings on CUDA launched eagerly (``train.compile=auto``,
@@ -46,6 +46,9 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
           "auto", True),
 }
 HEAD_LOSS = {"N": "inplace"}   # train.head_loss of a variant; the others run the trainer's default, fused
+# Opt-in changes waiting for a GPU's verdict against G (``--variants pending``: G and these, in one process);
+# a change that a GPU timed faster and right becomes the default, and its variant leaves this list.
+PENDING = ("M", "N")
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
 ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
        "M": {"DSV3_COMPILE_RESIDUAL": "1"}}
@@ -91,17 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     from bench.train_check import measure_step_fitting, reduced_config
     ap = argparse.ArgumentParser(prog="python -m bench.step_variants", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--variants", default="A,C,D,E")
+    ap.add_argument("--variants", default="A,C,D,E",
+                    help="comma-separated VARIANTS keys, or 'pending': G and every PENDING opt-in")
     ap.add_argument("--deadline-s", type=float, default=300.0, help="start no variant after this many seconds")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also cProfile one step per variant and print its N functions with the most own time")
     args = ap.parse_args(argv)
+    keys = ["G", *PENDING] if args.variants == "pending" else args.variants.split(",")
+    unknown = [k for k in keys if k not in VARIANTS]
+    if unknown:
+        print(f"error: --variants: {', '.join(unknown)} not in {', '.join(VARIANTS)} (or 'pending')", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: bench.step_variants needs a CUDA device", file=sys.stderr)
         return 2
     cfg, deadline, res = reduced_config("v3_small", args.layers), time.monotonic() + args.deadline_s, {}
-    for key in args.variants.split(","):
+    for key in keys:
         label, precision, compile_mode, adamw, batch, moments, graph = VARIANTS[key]
         if time.monotonic() > deadline:
             print(f"{key} {label}: not run (deadline)")
