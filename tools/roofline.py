@@ -28,7 +28,6 @@ import collections
 import contextlib
 import dataclasses
 import sys
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -310,90 +309,6 @@ def fused_attention(recorder: Recorder):
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-class _FusedCrossEntropy(torch.autograd.Function):
-    """``kernels/cross_entropy.py`` as CUDA runs it (``train.head_loss=fused``): one kernel forward (reads the
-    logits, writes a loss and a log-sum-exp per row), one backward (reads the logits, writes dlogits), recorded
-    as such; the reductions of the mean are small ops of their own."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, recorder):
-        rows = logits.new_empty(2, logits.shape[0], dtype=torch.float32)
-        ctx.save_for_backward(logits)
-        ctx.recorder = recorder
-        recorder.record("cross-entropy forward", None, (logits, labels), {}, rows, 0.0)
-        return rows[0].sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (logits,) = ctx.saved_tensors
-        dlogits = torch.empty_like(logits)
-        ctx.recorder.record("cross-entropy backward", None, (logits,), {}, dlogits, 0.0)
-        return dlogits, None, None
-
-
-@contextlib.contextmanager
-def fused_cross_entropy(recorder: Recorder):
-    """``parallel.head_loss``'s cross-entropy (the fused head's) replaced by ``_FusedCrossEntropy``."""
-    from parallel import head_loss
-
-    def ce(logits, labels):
-        with _paused(recorder):
-            return _FusedCrossEntropy.apply(logits, labels, recorder)
-
-    original, head_loss.cross_entropy = head_loss.cross_entropy, ce
-    try:
-        yield
-    finally:
-        head_loss.cross_entropy = original
-
-
-class _CrossEntropyLaunch:
-    """A Triton kernel of ``kernels/cross_entropy.py`` launched as ``kernel[grid](logits, labels, loss, ...)``,
-    recorded as one ``cross-entropy forward``: reads the logits; writes the per-row losses, and the logits' buffer
-    again where the kernel writes the gradient over it (``_ce_fwd_grad_kernel``)."""
-
-    def __init__(self, recorder: Recorder, in_place: bool):
-        self.recorder, self.in_place = recorder, in_place
-
-    def __getitem__(self, grid):
-        return self
-
-    def __call__(self, logits, labels, loss, *args, **kwargs):
-        written = (logits, loss) if self.in_place else (loss, loss)   # the log-sum-exp: one more row of FP32
-        self.recorder.record("cross-entropy forward", None, (logits, labels), {}, written, 0.0)
-
-
-class _ScaleLaunch(_CrossEntropyLaunch):
-    """``kernels.cross_entropy._scale_kernel[grid](src, g, dst, ...)``: an elementwise pass, read and written."""
-
-    def __init__(self, recorder: Recorder):
-        super().__init__(recorder, False)
-
-    def __call__(self, src, g, dst, *args, **kwargs):
-        self.recorder.record("aten.mul", None, (src, g), {}, dst, 0.0)
-
-
-@contextlib.contextmanager
-def inplace_cross_entropy(recorder: Recorder):
-    """``train.head_loss=inplace`` as CUDA runs it: ``kernels.cross_entropy._HeadCrossEntropy`` with its kernels
-    recorded (``_CrossEntropyLaunch``); its GEMMs and small ops record themselves."""
-    from kernels import cross_entropy as ce
-    from parallel import head_loss
-    launches = types.SimpleNamespace(_ce_fwd_grad_kernel=_CrossEntropyLaunch(recorder, True),
-                                     _ce_fwd_kernel=_CrossEntropyLaunch(recorder, False),
-                                     _scale_kernel=_ScaleLaunch(recorder))
-
-    def head_ce(x, w, labels):
-        return ce._HeadCrossEntropy.apply(x, w, labels, None)
-
-    saved = ce._kernels, head_loss.head_cross_entropy
-    ce._kernels, head_loss.head_cross_entropy = (lambda: launches), head_ce
-    try:
-        yield
-    finally:
-        ce._kernels, head_loss.head_cross_entropy = saved
-
-
 # Ops inductor leaves to torch's own kernels inside a region (``topk``, ``sort``: unless ``decompose_sort_ops``; the
 # H100 profile of the default step counted a radix sort for each combine region's argsort when it had one).
 REGION_EXTERN = {"aten.topk", "aten.sort"} | GEMM
@@ -526,6 +441,7 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     from parallel.compile import enabled as compile_enabled
 
     from .cuda_autocast import CudaAutocastPolicy
+    from .roofline_loss import head_losses
     t = cfg.train
     precision = Precision(t.precision)
     if precision.fp8:
@@ -543,8 +459,8 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
         ids = torch.randint(0, model.cfg.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1))
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
-        with rec, fused_attention(rec), fused_cross_entropy(rec), inplace_cross_entropy(rec), \
-                compiled_regions(rec), as_on_cuda(), adamw_kernel_recorded(rec):
+        with rec, fused_attention(rec), head_losses(rec), compiled_regions(rec), as_on_cuda(), \
+                adamw_kernel_recorded(rec):
             for _ in range(micro_batches):
                 rec.phase = "forward"
                 with autocast, CudaAutocastPolicy():
