@@ -8,9 +8,9 @@ moments became the default), G and H: C and D with their forward and backward re
 (``train.cuda_graph``, the trainer's default for G), I G at batch 8, J H with the opt-in ``quant_act_both``, K H
 with torch's copy instead of the weights' transpose kernel (the baseline), L G with each new compiled graph
 checked against eager, M G with the FFN norms' compiled regions taking the residual add before them
-(``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured), N G with ``train.head_loss=inplace`` (opt-in until
-measured). All but N with the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
-(``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
+(``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured), N G with ``train.head_loss=inplace``, O G with
+``optim.master=split`` (both opt-in until measured). All but N with the fused head (``train.head_loss=fused``),
+batch 4 x 2048 unless stated, random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
 host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
 profiled step and the ops (with input shapes and calling lines) whose kernels took the most of it, the copies and
 casts among them however small (the eager variants: a graph's replay runs no op), and with
@@ -44,11 +44,14 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
           "auto", True),
     "N": ("G with the heads' gradient taken in the forward (train.head_loss=inplace)", "bf16", "auto", "auto", 4,
           "auto", True),
+    "O": ("G with the FP32 master as the BF16 weights and 16 low bits (optim.master=split)", "bf16", "auto", "auto",
+          4, "auto", True),
 }
 HEAD_LOSS = {"N": "inplace"}   # train.head_loss of a variant; the others run the trainer's default, fused
+MASTER = {"O": "split"}        # optim.master of a variant; the others: fp32
 # Opt-in changes waiting for a GPU's verdict against G (``--variants pending``: G and these, in one process);
 # a change that a GPU timed faster and right becomes the default, and its variant leaves this list.
-PENDING = ("M", "N")
+PENDING = ("M", "N", "O")
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
 ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
        "M": {"DSV3_COMPILE_RESIDUAL": "1"}}
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 res[key] = measure_step_fitting(cfg, precision, batch, 2048, "cuda", iters=4 if batch == 4 else 2,
                                                 profile=batch == 4, head_loss=HEAD_LOSS.get(key, "fused"),
                                                 compile=compile_mode, adamw=adamw, host_profile=args.host_profile,
-                                                moments=moments, cuda_graph=graph)
+                                                moments=moments, cuda_graph=graph, master=MASTER.get(key, "fp32"))
             print("\n".join(line(key, res[key])), flush=True)
             if res[key]["host_profile"]:
                 print(res[key]["host_profile"], flush=True)

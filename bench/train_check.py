@@ -208,7 +208,8 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float = H100_BF16_PEA
 
 def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda", warmup: int = 2, iters: int = 3,
                  seed: int = 0, profile: bool = False, head_loss: str = "plain", compile: str = "auto",
-                 adamw: str = "auto", host_profile: int = 0, moments: str = "auto", cuda_graph: bool = False) -> dict:
+                 adamw: str = "auto", host_profile: int = 0, moments: str = "auto", cuda_graph: bool = False,
+                 master: str = "fp32") -> dict:
     """Train ``iters`` steps after ``warmup`` steps on random tokens; median step time, tokens/s, TFLOP/s,
     MFU (vs ``H100_BF16_PEAK``), peak memory (CUDA ``max_memory_allocated`` over the timed steps; replayed from a
     graph: ``max_memory_reserved``, the graph's pool included) and the
@@ -218,7 +219,8 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
     ``moments``: ``optim.moment_dtype`` of the ``auto`` optimizer (``auto``: BF16 beside BF16 weights).
     ``host_profile``: the ``host_profile`` entry holds the top functions by own time of one more step under
     ``cProfile`` (the host side: Python, dispatch, launches). ``cuda_graph``: forward and backward replayed from a
-    CUDA graph (``train.cuda_graph``, ``parallel.cuda_graph``; the warm-up steps capture it)."""
+    CUDA graph (``train.cuda_graph``, ``parallel.cuda_graph``; the warm-up steps capture it). ``master``:
+    ``optim.master`` of the ``auto`` optimizer."""
     import torch
 
     import models
@@ -245,7 +247,7 @@ def measure_step(cfg, precision: str, batch: int, seq: int, device: str = "cuda"
         from parallel.zero import Replicated
         opt = Replicated(model, OPTIM, ParallelDims(world_size=1), None, Precision(precision).weights, kernel=False)
     else:   # as the trainer
-        opt = build_optimizer(model, types.SimpleNamespace(**vars(OPTIM), moment_dtype=moments),
+        opt = build_optimizer(model, types.SimpleNamespace(**vars(OPTIM), moment_dtype=moments, master=master),
                               ParallelDims(world_size=1), weights=Precision(precision).weights)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = ids[:, :-1], ids[:, 1:]

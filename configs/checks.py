@@ -62,6 +62,11 @@ def moment_dtypes() -> tuple[str, ...]:              # optim.moment_dtype: auto 
     return ("auto", *MOMENT_DTYPES)
 
 
+def masters() -> tuple[str, ...]:                    # optim.master
+    from parallel.zero import MASTERS
+    return MASTERS
+
+
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
@@ -125,6 +130,7 @@ def _check_optim(o: OptimConfig) -> None:
     _non_negative("optim.grad_clip", o.grad_clip, " (0 disables clipping)")
     _one_of("optim.decay", o.decay, DECAYS)
     _one_of("optim.moment_dtype", o.moment_dtype, moment_dtypes())
+    _one_of("optim.master", o.master, masters())
     if o.decay == "phases" and not o.phases:
         raise ConfigError("optim.phases: optim.decay=phases needs at least one phase {tokens, lr, shape}")
     if o.decay != "phases" and o.phases:

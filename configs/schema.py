@@ -65,6 +65,8 @@ class OptimConfig:
     eps: float = 1e-8           # AdamW denominator term, > 0
     grad_clip: float = 1.0      # max global grad norm; 0 disables clipping
     moment_dtype: str = "auto"  # AdamW moments: auto (bf16 beside an FP32 master: BF16 weights, ZeRO) | bf16 | fp32
+    master: str = "fp32"        # the FP32 master of BF16 weights: fp32 (its own tensor) | split (the BF16 weight
+                                # + 16 low bits: 2 bytes less per parameter; parallel.zero=0; opt-in until measured)
 
 
 @dataclass
@@ -421,6 +423,12 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     validate_layout(world_size, p.pp, p.ep, p.ranks_per_node, model=cfg.model, zero=p.zero,
                     zero_backend=p.zero_backend, moment_dtype=o.moment_dtype, schedule=p.schedule,
                     weights=Precision(t.precision).weights)
+    if o.master == "split" and Precision(t.precision).weights == "fp32":
+        raise ConfigError(f"optim.master: split keeps the FP32 master of BF16 weights as the weights and 16 low bits; "
+                          f"train.precision={t.precision} has FP32 weights, their own master (set optim.master=fp32)")
+    if o.master == "split" and p.zero:
+        raise ConfigError(f"optim.master: split runs without ZeRO (parallel.zero=0), got parallel.zero={p.zero}: "
+                          "ZeRO keeps its master as FP32 pieces (set optim.master=fp32)")
     if t.cuda_graph == "on":
         _check_cuda_graph(t, world_size)
     dp = world_size // p.pp

@@ -17,7 +17,15 @@ recompiling. Bytes per element: the gradient read once, master and moments read 
 written once (28 B with a BF16 gradient, FP32 moments and a BF16 ``out``), against ~20 passes for torch's
 foreach AdamW and 4 more ops (clip, cast of the gradient, cast of the master) around torch's fused one.
 
-On CUDA the kernel runs once it passed its self-check (``selfcheck.py``); callers ask ``usable(device)``.
+A split master (``optim.master=split``): ``master`` is an int16 tensor holding the low 16 bits of each FP32 master
+value and ``out`` (required) the BF16 weight, its high 16 bits (``split_master``, ``join_master``). The kernel reads
+both, updates the joined FP32 value as above, and writes both back: 8 bytes of master traffic per element instead
+of 10 (FP32 master read and written, BF16 weight written), and 2 bytes less memory per parameter. The BF16 weight is
+then the master rounded half toward zero: round to nearest even but for exact ties (low half 0x8000), which keep
+the high half, so the low half alone says whether it was rounded up.
+
+On CUDA the kernel runs once it passed its self-check (``selfcheck.py``); callers ask ``usable(device)``
+(``usable(device, split=True)``: the split master's own verdict).
 """
 from __future__ import annotations
 
@@ -40,12 +48,44 @@ def _hyper(lr: float, beta1: float, beta2: float, weight_decay: float, step: int
             "step_size": lr / (1 - beta1 ** step), "bc2_sqrt": (1 - beta2 ** step) ** 0.5}
 
 
+def split_master(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 ``x`` as ``(high, low)``: the BF16 ``high`` (``x`` rounded half toward zero: ``join_master``) and the
+    int16 ``low`` (the low 16 bits of ``x``), whose join is ``x`` bit for bit."""
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    low = bits & 0xFFFF
+    high = (bits >> 16) + (low > 0x8000).to(torch.int64)
+    return _int16(high).view(torch.bfloat16), _int16(low)
+
+
+def join_master(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The FP32 tensor whose bits ``split_master`` gave as ``(high, low)``: the high half less one where the low
+    half says it was rounded up (above 0x8000), then the low half."""
+    low = low.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    high = (high.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) - (low > 0x8000).to(torch.int64)
+    bits = (high << 16) | low
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+def _int16(u: torch.Tensor) -> torch.Tensor:
+    """Unsigned 16-bit values (int64) as the int16 with the same bits."""
+    return torch.where(u >= 1 << 15, u - (1 << 16), u).to(torch.int16)
+
+
 @torch.no_grad()
 def reference_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                      coef: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
     """The update of the module docstring in torch ops (moments in their dtype, maths in FP32, the order of
-    ``torch.optim.AdamW``'s single-tensor path); ``grad`` is not modified."""
+    ``torch.optim.AdamW``'s single-tensor path); ``grad`` is not modified. An int16 ``master``: the low half of a
+    split master whose high half is ``out`` (module docstring)."""
+    if master.dtype == torch.int16:
+        full = join_master(out, master)
+        reference_adamw_(full, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, step=step, coef=coef)
+        high, low = split_master(full)
+        out.copy_(high.view(out.shape))
+        master.copy_(low.view(master.shape))
+        return
     h = _hyper(lr, beta1, beta2, weight_decay, step)
     g = grad.float() if grad.dtype != torch.float32 else grad
     if coef is not None:
@@ -74,7 +114,9 @@ def triton_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     ``coef``: an FP32 (or FP64) scalar tensor on the device; ``block``: elements per program."""
     kern = _kernels()
     n = master.numel()
-    assert master.dtype == torch.float32, master.dtype
+    split = master.dtype == torch.int16
+    assert master.dtype == torch.float32 or (split and out is not None and out.dtype == torch.bfloat16), \
+        (master.dtype, out)
     for t in (grad, exp_avg, exp_avg_sq) + ((out,) if out is not None else ()):
         assert t.numel() == n and t.is_contiguous() and t.device == master.device, (t.shape, t.device, master.shape)
     assert master.is_contiguous()
@@ -86,19 +128,25 @@ def triton_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     kern._adamw_kernel[(-(-n // block),)](
         master, grad, exp_avg, exp_avg_sq, out if out is not None else master, coef if coef is not None else master,
         n, eps=eps, **_hyper(lr, beta1, beta2, weight_decay, step), HAS_COEF=coef is not None,
-        HAS_OUT=out is not None, BLOCK=block, num_warps=4)
+        HAS_OUT=out is not None, SPLIT=split, BLOCK=block, num_warps=4)
 
 
-def usable(device: torch.device | str) -> bool:
+def usable(device: torch.device | str, split: bool = False) -> bool:
     """Whether the kernel runs on ``device`` by default: a CUDA device where it passed its self-check
-    (``verified``); the caller takes its torch path where not."""
+    (``verified``; ``split``: the split master's too); the caller takes its torch path where not."""
     device = torch.device(device)
-    return device.type == "cuda" and verified(device)
+    return device.type == "cuda" and verified(device) and (not split or verified_split(device))
 
 
 def verified(device: torch.device) -> bool:
     """The self-check's verdict on ``device`` (run once per device; a failed check logs one warning)."""
     return selfcheck.verified("adamw", device, lambda: self_check(device), CHECK_TOL, "adamw", "torch's AdamW")
+
+
+def verified_split(device: torch.device) -> bool:
+    """``split_self_check``'s verdict, apart from ``verified``'s: a wrong split path leaves the plain one in use."""
+    return selfcheck.verified("adamw_split", device, lambda: split_self_check(device), CHECK_TOL,
+                              "adamw (split master)", "its torch reference")
 
 
 def self_check(device: torch.device) -> float:
@@ -127,6 +175,30 @@ def self_check(device: torch.device) -> float:
         scale = 1.0 if moments == torch.float32 else CHECK_TOL / BF16_MOMENT_TOL
         errs += [selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)]
     return _worst(errs)
+
+
+def split_self_check(device: torch.device) -> float:
+    """Worst relative error of the joined master and the moments after two steps of the kernel vs
+    ``reference_adamw_``, both on a split master (BF16 moments, scaled as in ``self_check``); NaN when the kernel's
+    halves are not the split of their own join bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    n = 3 * BLOCK + 77
+    start = torch.randn(n, generator=g).to(device)
+    grads = [torch.randn(n, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
+    runs = []
+    for fn in (reference_adamw_, triton_adamw_):
+        out, low = split_master(start)
+        m, v = torch.zeros(n, dtype=torch.bfloat16, device=device), torch.zeros(n, dtype=torch.bfloat16, device=device)
+        for step, grad in enumerate(grads, 1):
+            fn(low, grad, m, v, lr=1e-2 * step, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step,
+               coef=torch.tensor(0.5, device=device), out=out)
+        runs.append((join_master(out, low), m, v, out, low))
+    (want, *wmom, _, _), (got, *gmom, gout, glow) = runs
+    high, low = split_master(got)
+    if selfcheck.mismatch(gout, high) or selfcheck.mismatch(glow, low):
+        return float("nan")
+    scale = CHECK_TOL / BF16_MOMENT_TOL
+    return _worst([selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)])
 
 
 def _worst(errs: list[float]) -> float:

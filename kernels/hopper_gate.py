@@ -129,8 +129,9 @@ def launches() -> list[Launch]:
 
 
 def _optimizer_launches(call, meta, n: int) -> None:
-    """AdamW over a weight of ``n`` elements (BF16 gradient and weight, FP32 master and moments, clipped) and over
-    a ZeRO bucket (FP32 gradient, BF16 moments, no clip, no weight written)."""
+    """AdamW over a weight of ``n`` elements (BF16 gradient and weight, FP32 master and moments, clipped), over a
+    ZeRO bucket (FP32 gradient, BF16 moments, no clip, no weight written) and over a split master (the BF16 weight
+    and its int16 low halves, BF16 moments: ``optim.master=split``)."""
     import torch
 
     from . import adamw
@@ -140,6 +141,8 @@ def _optimizer_launches(call, meta, n: int) -> None:
          weight_decay=0.1, coef=meta(**f32), out=meta(n), **hyper)
     call("adamw, zero bucket", adamw.triton_adamw_, meta(n, **f32), meta(n, **f32), meta(n), meta(n),
          weight_decay=0.0, **hyper)
+    call("adamw, split master", adamw.triton_adamw_, meta(n, dtype=torch.int16), meta(n), meta(n), meta(n),
+         weight_decay=0.1, coef=meta(**f32), out=meta(n), **hyper)
 
 
 def _tuned_h100() -> dict:

@@ -33,15 +33,22 @@ def sync_gradients(model: nn.Module, dims: ParallelDims, named: list | None = No
     whose ``.grad`` to reduce instead of the model's parameters (an FP32 master copy), by the same names."""
     if dims.dp == 1:
         return
-    expert = is_expert_param(model)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad] if named is None else named
     for _, p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    dense = [p.grad for n, p in params if not expert[n]]
-    experts = [p.grad for n, p in params if expert[n]]
-    _all_reduce_flat(dense, dims.group("dp"), 1.0 / dims.dp)
-    _all_reduce_flat(experts, dims.group("edp") if dims.edp > 1 else None, 1.0 / dims.dp)
+    reduce_gradients(model, dims, [(n, p.grad) for n, p in params])
+
+
+def reduce_gradients(model: nn.Module, dims: ParallelDims, named_grads: list[tuple[str, torch.Tensor]]) -> None:
+    """``sync_gradients`` of the given ``(name, gradient)`` pairs, in place: experts' over their data-parallel
+    group, the rest over dp, each averaged over dp."""
+    if dims.dp == 1:
+        return
+    expert = is_expert_param(model)
+    _all_reduce_flat([g for n, g in named_grads if not expert[n]], dims.group("dp"), 1.0 / dims.dp)
+    _all_reduce_flat([g for n, g in named_grads if expert[n]], dims.group("edp") if dims.edp > 1 else None,
+                     1.0 / dims.dp)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, weight=None,

@@ -103,6 +103,51 @@ def test_empty_tensor_and_layout_asserts():
         adamw.triton_adamw_(x, x.t(), x.clone(), x.clone(), lr=1e-3, weight_decay=0.0, step=1, **HYPER)
 
 
+def test_split_master_halves_join_to_the_fp32_value_bit_for_bit():
+    """``split_master`` / ``join_master``: every finite FP32 value (both signs, zero, subnormals, the largest,
+    ties) comes back bit for bit; the high half is BF16 round-to-nearest-even except at exact ties, which it rounds
+    toward zero (so the low half alone says whether the high half was rounded up)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * 10.0 ** torch.randint(-44, 38, (20000,), generator=g).float()
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3.4e38, -3.4e38, 1.0, -1.0])])
+    x = x[torch.isfinite(x)].to(DEV)
+    ties = ((x.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)
+    for t in (x, ties):
+        high, low = adamw.split_master(t)
+        assert high.dtype == torch.bfloat16 and low.dtype == torch.int16
+        assert torch.equal(adamw.join_master(high, low).view(torch.int32), t.view(torch.int32))
+    high, _ = adamw.split_master(x)
+    assert torch.equal(high.view(torch.int16), x.bfloat16().view(torch.int16))   # no tie among the random values
+    high, _ = adamw.split_master(ties)
+    assert torch.equal(high.view(torch.int16), (ties.view(torch.int32) >> 16).to(torch.int16))   # toward zero
+
+
+def run_split(fn, grads, coef=None, lrs=(1e-2, 3e-3, 5e-3)):
+    """``run`` on a split master (BF16 moments): returns the joined master, the moments and the two halves."""
+    start = torch.randn(N, generator=torch.Generator().manual_seed(1)).to(DEV)
+    out, low = adamw.split_master(start)
+    m, v = torch.zeros(N, dtype=torch.bfloat16, device=DEV), torch.zeros(N, dtype=torch.bfloat16, device=DEV)
+    for step, (g, lr) in enumerate(zip(grads, lrs), 1):
+        fn(low, g, m, v, lr=lr, weight_decay=0.1, step=step, coef=coef, out=out, **HYPER)
+    return adamw.join_master(out, low), m, v, out, low
+
+
+def test_the_split_master_kernel_updates_as_the_fp32_master_does():
+    """The kernel on a split master (the BF16 weight and 16 low bits) against the kernel on an FP32 master, three
+    steps: the joined master is the FP32 master bit for bit (the same maths on the same values), the moments are
+    the same, and the weight is the split of the master; the torch reference likewise to FP32 rounding."""
+    grads = grads_of(torch.bfloat16)
+    coef = torch.tensor(0.5, device=DEV)
+    master, m, v, out, low = run_split(kernel, grads, coef=coef)
+    want = run(kernel, grads, moments=torch.bfloat16, coef=coef)
+    assert torch.equal(master, want[0]) and torch.equal(m, want[1]) and torch.equal(v, want[2])
+    high, low2 = adamw.split_master(master)
+    assert torch.equal(out.view(torch.int16), high.view(torch.int16)) and torch.equal(low, low2)
+    ref = run_split(adamw.reference_adamw_, grads, coef=coef)
+    assert rel(ref[0], master) < 1e-6
+    assert adamw.split_self_check(DEV) < adamw.CHECK_TOL
+
+
 # ---- the optimizers' kernel paths -----------------------------------------------------------------------
 def model_and_data(seed=0):
     torch.manual_seed(seed)
@@ -233,7 +278,7 @@ def test_a_wrong_kernel_gives_way_to_the_torch_path(monkeypatch, caplog):
         real(master, *args, **kwargs)
         master.add_(1e-3)
     monkeypatch.setattr(adamw, "triton_adamw_", wrong)
-    monkeypatch.setattr(adamw, "usable", adamw.verified)
+    monkeypatch.setattr(adamw, "usable", lambda device, split=False: adamw.verified(device))
     monkeypatch.setattr(zero, "triton_adamw", lambda tensors: True)
     results = []
     for k in (None, False):

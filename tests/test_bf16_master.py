@@ -23,7 +23,7 @@ FP32_MOMENTS = "optim.moment_dtype=fp32"
 
 
 def _optim(**kw):
-    return dataclasses.replace(make_config().optim, moment_dtype="fp32", **kw)
+    return dataclasses.replace(make_config().optim, **{"moment_dtype": "fp32", **kw})
 
 
 def _not_bf16(t: torch.Tensor) -> bool:
@@ -105,6 +105,61 @@ def test_memory_accounting_bf16_weights():
     assert est.optim == 4 * n + 2 * 2 * n
 
 
+def test_a_split_master_steps_as_the_fp32_master_bit_for_bit():
+    """``optim.master=split``: the master is the BF16 weights and 16 low bits. Ten steps beside an FP32-master
+    optimizer (BF16 moments: both take the same maths, ``kernels.adamw.reference_adamw_``, here): the joined
+    master equals the FP32 master bit for bit at every step, and the weights are its high halves (round to
+    nearest even but for exact ties, none here)."""
+    from kernels.adamw import split_master
+    runs = {}
+    for master in ("fp32", "split"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16, bias=False), RMSNorm(16))
+        opt = build_optimizer(model, _optim(lr=3e-2, moment_dtype="bf16", master=master), ONE, weights="bf16")
+        runs[master] = (model, opt)
+    x, c = torch.randn(4, 16), torch.randn(4, 16)
+    (m_a, a), (m_b, b) = runs["fp32"], runs["split"]
+    assert all(t.dtype == torch.int16 for _, t in b.named) and b.master_halves() is not None
+    for step in range(10):
+        for model, opt in (runs["fp32"], runs["split"]):
+            opt.backward((model(x.bfloat16()).float() * c).sum())
+            assert bool(opt.grads_finite())
+            opt.step(1.0)
+            opt.zero_grad()
+        want, got = a.master_weights(), b.master_weights()
+        for n in want:
+            assert torch.equal(got[n].view(torch.int32), want[n].view(torch.int32)), (step, n)
+            assert torch.equal(dict(m_b.named_parameters())[n], split_master(want[n])[0].view(want[n].shape))
+            assert torch.equal(dict(m_b.named_parameters())[n], dict(m_a.named_parameters())[n]), (step, n)
+    b.load_master_weights({n: t + 1 for n, t in want.items()})   # a checkpoint's master, split again
+    assert all(torch.equal(t, want[n] + 1) for n, t in b.master_weights().items())
+
+
+def test_a_split_master_takes_two_bytes_per_parameter_and_is_refused_where_it_cannot_run(monkeypatch):
+    import parallel.zero as zero
+    from models import build
+    from errors import ConfigError
+    cfg = make_config()
+    model = build(cfg.model, seed=0)
+    n = sum(p.numel() for p in model.parameters())
+    asked = []   # what decides the Triton AdamW on CUDA: the BF16 weights, not the int16 low halves
+    monkeypatch.setattr(zero, "triton_adamw", lambda tensors: asked.extend(tensors) or False)
+    mem = build_optimizer(model, _optim(master="split"), ONE, weights="bf16").memory()
+    assert len(asked) == len(list(model.parameters())) and all(t.dtype == torch.bfloat16 for t in asked)
+    assert mem.measured == mem.formula == {"params": 2 * n, "grads": 4 * n, "master": 2 * n, "optim": 8 * n}
+    from trainer.memory_plan import plan_memory
+    est = plan_memory(make_config("train.precision=bf16", "optim.master=split"), recipe="trainer").worst
+    assert est.optim == 2 * n + 2 * 2 * n
+    with pytest.raises(ConfigError, match="optim.master: split keeps .* train.precision=fp32"):
+        make_config("train.precision=fp32", "optim.master=split")
+    with pytest.raises(ConfigError, match="optim.master: split runs without ZeRO .* parallel.zero=1"):
+        make_config("train.precision=bf16", "optim.master=split", "parallel.zero=1")
+    with pytest.raises(ValueError, match="FP32 weights are their own master"):
+        build_optimizer(build(cfg.model, seed=0), _optim(master="split"), ONE, weights="fp32")
+    with pytest.raises(ValueError, match="runs without ZeRO only"):
+        build_optimizer(build(cfg.model, seed=0), _optim(master="split"), ONE, zero=1, weights="bf16")
+
+
 # ---- the trainer -----------------------------------------------------------------------------------
 def _trainer(tmp_path, cache, name, *overrides):   # noqa: F811 - cache is the fixture
     return Trainer(make_config(*fast_overrides(tmp_path, cache), *SMALL, *overrides), tmp_path / name)
@@ -134,6 +189,33 @@ def test_bf16_resume_is_bitwise_and_checkpoints_hold_the_master(tmp_path, cache,
     stored = load_model_checkpoint(tmp_path / "ck_r/step_00000003").state_dict()
     assert all(torch.equal(stored[n], master[n]) for n in master)
     assert _not_bf16(stored["layers.0.attn.wo.weight"])
+
+
+def test_a_split_master_resumes_bitwise_and_its_ema_and_checkpoints_are_the_fp32_master(tmp_path, cache):  # noqa: F811
+    """``optim.master=split`` in the trainer: a resumed run repeats the straight one bit for bit (losses, EMA); the
+    checkpoint stores the joined FP32 master, the EMA averages it (joined on the host at each update), and the
+    master takes half the bytes of an FP32 master, whose run gives nearly the same losses."""
+    split = ["train.precision=bf16", "optim.master=split", "train.ema_decay=0.5", "train.max_steps=4"]
+    straight = _trainer(tmp_path, cache, "s", *split, f"checkpoint.dir={tmp_path}/ck_s")
+    straight.train()
+    first = _trainer(tmp_path, cache, "r", *split, "train.stop_at_step=2", f"checkpoint.dir={tmp_path}/ck_r")
+    first.train()
+    master = {n: t.clone() for n, t in first.opt.master_weights().items()}
+    stored = load_model_checkpoint(tmp_path / "ck_r/step_00000002").state_dict()
+    assert all(torch.equal(stored[n], master[n]) for n in master) and _not_bf16(stored["layers.0.attn.wo.weight"])
+    resumed = _trainer(tmp_path, cache, "r", *split, f"checkpoint.dir={tmp_path}/ck_r")
+    resumed.train()
+    assert _losses(tmp_path, "r") == _losses(tmp_path, "s")
+    for n, t in straight.ema.state_dict().items():
+        assert torch.equal(resumed.ema.state_dict()[n], t), n
+    plain = _trainer(tmp_path, cache, "p", *split[:1], *split[2:], f"checkpoint.dir={tmp_path}/ck_p")
+    plain.train()
+    assert plain.opt.memory().measured["master"] == 2 * straight.opt.memory().measured["master"]
+    # the same run with an FP32 master: its BF16 weights start equal but at exact ties (14 of 1.59M here), which
+    # top-k routing makes visible in the loss (8e-5 at step 1, measured)
+    assert max(_rel(a, b) for a, b in zip(_losses(tmp_path, "s"), _losses(tmp_path, "p"))) < 5e-4
+    ema = straight.ema.state_dict()
+    assert _not_bf16(ema["layers.0.attn.wo.weight"]) and ema.keys() == straight.opt.master_weights().keys()
 
 
 def test_ema_averages_the_master(tmp_path, cache):  # noqa: F811
@@ -242,6 +324,24 @@ def test_zero_bf16_matches_single_device_bf16(tmp_path, single_bf16, overrides):
         if t.is_floating_point():
             torch.testing.assert_close(a[n], t, rtol=4 * 2**-24, atol=1e-9, msg=n)
     assert _not_bf16(a["layers.0.attn.wo.weight"])   # the sharded master was stored, not the BF16 weights
+
+
+@pytest.mark.slow
+def test_a_split_master_over_dp2_matches_one_process(tmp_path):
+    """``optim.master=split`` at dp=2 (its gradients all-reduced as a list, in FP32) against one process with a
+    split master too (an FP32-master run starts from other BF16 weights where the FP32 values are exact ties):
+    step 1's loss and gradient norm to FP32 rounding, the stored master after it within 4 FP32 ulps."""
+    split = (*BF16, "optim.master=split")
+    ref = run_torchrun(tmp_path, "single", 1, *split, f"checkpoint.dir={tmp_path}/ck1", steps=3)
+    got = run_torchrun(tmp_path, "dp2", 2, *split, f"checkpoint.dir={tmp_path}/ck2", steps=3)
+    assert _rel(got[0]["loss"], ref[0]["loss"]) < 1e-6 and _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) < 1e-6
+    assert max(_rel(g["loss"], w["loss"]) for g, w in zip(got, ref)) < 5e-4
+    a = load_model_checkpoint(tmp_path / "ck2/step_00000001").state_dict()
+    b = load_model_checkpoint(tmp_path / "ck1/step_00000001").state_dict()
+    for n, t in b.items():
+        if t.is_floating_point():
+            torch.testing.assert_close(a[n], t, rtol=4 * 2**-24, atol=1e-9, msg=n)
+    assert _not_bf16(a["layers.0.attn.wo.weight"])
 
 
 @pytest.mark.slow

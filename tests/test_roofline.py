@@ -395,8 +395,8 @@ def test_adamw_kernel_by_hand():
 
 
 def test_v3_small_optimizer_is_the_adamw_kernel():
-    """v3_small's optimizer phase on the Triton AdamW: one launch and 20 bytes per parameter (BF16 moments),
-    at most 0.7x torch's fused AdamW with its clip, casts and copy."""
+    """v3_small's optimizer phase on the Triton AdamW: one launch and 20 bytes per parameter (BF16 moments; 18
+    with a split master), at most 0.7x torch's fused AdamW with its clip, casts and copy."""
     kernel, mcfg = record_step(compose(["+exp=v3_small"]), 4)
     fp32, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4)
     fused, _ = record_step(compose(["+exp=v3_small", FP32_MOMENTS]), 4, adamw_kernel=False)
@@ -404,6 +404,9 @@ def test_v3_small_optimizer_is_the_adamw_kernel():
     assert totals(kernel, "op")["adamw kernel"].bytes == (2 + 4 * 2 + 2 * 2 * 2 + 2) * n
     assert totals(fp32, "op")["adamw kernel"].bytes == 28 * n
     assert totals(kernel, "phase")["optimizer"].seconds < 0.7 * totals(fused, "phase")["optimizer"].seconds
+    # optim.master=split: the low halves read and written, the BF16 weight (the high halves) read too
+    split, _ = record_step(compose(["+exp=v3_small", "optim.master=split"]), 4)
+    assert totals(split, "op")["adamw kernel"].bytes == (2 + 2 * 2 + 2 * 2 + 2 * 2 * 2) * n
 
 
 def test_cli_last_line(capsys):

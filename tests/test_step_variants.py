@@ -26,11 +26,13 @@ def test_pending_variants_are_g_with_one_opt_in_each(capsys):
     """``--variants pending``: G and each opt-in waiting for a GPU, each G's settings with one environment
     variable or head loss of its own; an unknown key is refused before CUDA is asked for."""
     from parallel.head_loss import HEAD_LOSSES
+    from parallel.zero import MASTERS
     assert sv.PENDING and set(sv.PENDING) <= set(sv.VARIANTS) and "G" not in sv.PENDING
     for key in sv.PENDING:
         assert sv.VARIANTS[key][1:] == sv.VARIANTS["G"][1:]
-        assert (key in sv.ENV) + (key in sv.HEAD_LOSS) == 1, key
+        assert (key in sv.ENV) + (key in sv.HEAD_LOSS) + (key in sv.MASTER) == 1, key
     assert set(sv.HEAD_LOSS.values()) <= set(HEAD_LOSSES) - {"fused"}
+    assert set(sv.MASTER.values()) <= set(MASTERS) - {"fp32"}
     assert sv.main(["--variants", "G,Z"]) == 2
     assert "Z not in" in capsys.readouterr().err
 

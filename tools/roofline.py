@@ -248,15 +248,17 @@ def as_on_cuda(fused_adamw: bool = True, adamw_kernel: bool = True):
 def adamw_kernel_recorded(recorder: "Recorder"):
     """``kernels/adamw.py``'s Triton AdamW as CUDA runs it, recorded instead of run (fake tensors run no Triton):
     one launch per call that reads the gradient, master and both moments once and writes master, moments and the
-    BF16 weight once (class ``optimizer``); its self-check taken as passed."""
+    BF16 weight once (class ``optimizer``); a split master (int16 low halves) reads the BF16 weight too, its high
+    halves; its self-check taken as passed."""
     from kernels import adamw
 
     def launch(master, grad, exp_avg, exp_avg_sq, *, out=None, **hyper):
         written = (master, exp_avg, exp_avg_sq) + ((out,) if out is not None else ())
-        recorder.record("adamw kernel", None, (master, grad, exp_avg, exp_avg_sq), {}, written, 0.0)
+        read = (master, grad, exp_avg, exp_avg_sq) + ((out,) if master.dtype == torch.int16 else ())
+        recorder.record("adamw kernel", None, read, {}, written, 0.0)
 
     saved = adamw.triton_adamw_, adamw.usable
-    adamw.triton_adamw_, adamw.usable = launch, lambda device: True
+    adamw.triton_adamw_, adamw.usable = launch, lambda device, split=False: True
     try:
         yield
     finally:

@@ -10,7 +10,9 @@ parameters' dtype; skipped steps (non-finite) do not update it. Checkpoints stor
 the model's single-device names (``parallel/state_dict.py``), so it reshards like the weights, and
 ``python -m tools.convert_hf export --ema`` writes it instead of the weights. With BF16 weights
 (``train.precision=bf16|fp8``) it averages the optimizer's FP32 master instead (``opt.master_weights()``:
-under ZeRO this rank's master pieces, so each rank keeps the EMA of its own shard), never the BF16 rounding.
+under ZeRO this rank's master pieces, so each rank keeps the EMA of its own shard), never the BF16 rounding. A
+split master (``optim.master=split``) is given as its live halves (``Replicated.master_halves``): both are copied
+to the host and joined there (``kernels.adamw.join_master``), the same FP32 values.
 """
 from __future__ import annotations
 
@@ -22,14 +24,18 @@ from torch.distributed.tensor import DTensor
 
 
 class ParamEMA:
-    def __init__(self, params: nn.Module | dict[str, torch.Tensor], decay: float):
-        """``params``: a module (its parameters) or name -> tensor (a DTensor: its local piece is averaged)."""
+    def __init__(self, params: nn.Module | dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+                 decay: float):
+        """``params``: a module (its parameters) or name -> tensor (a DTensor: its local piece is averaged), or
+        name -> (high, low) halves of a split master (module docstring)."""
         self.decay = float(decay)
         named = params.named_parameters() if isinstance(params, nn.Module) else params.items()
-        self.named = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in named]
-        cuda = any(p.is_cuda for _, p in self.named)
-        self.shadow = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self.named}
-        self._staging = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda) for n, p in self.named}
+        self.named = [(n, p if isinstance(p, tuple) else (p.to_local() if isinstance(p, DTensor) else p,))
+                      for n, p in named]   # one tensor, or the two halves
+        cuda = any(p.is_cuda for _, ts in self.named for p in ts)
+        self.shadow = {n: _value(ts).detach().to("cpu", torch.float32, copy=True) for n, ts in self.named}
+        self._staging = {n: tuple(torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda) for p in ts)
+                         for n, ts in self.named}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
         self._pending: Future | None = None
 
@@ -38,9 +44,10 @@ class ParamEMA:
         """Fold the current parameters in (call after the optimizer step)."""
         self.wait()
         event = None
-        for n, p in self.named:
-            self._staging[n].copy_(p.detach(), non_blocking=p.is_cuda)
-        if any(p.is_cuda for _, p in self.named):
+        for n, ts in self.named:
+            for buf, p in zip(self._staging[n], ts):
+                buf.copy_(p.detach(), non_blocking=p.is_cuda)
+        if any(p.is_cuda for _, ts in self.named for p in ts):
             event = torch.cuda.Event()
             event.record()
         self._pending = self._pool.submit(self._fold, event)
@@ -50,7 +57,7 @@ class ParamEMA:
             event.synchronize()
         d = self.decay
         for n, s in self.shadow.items():
-            s.mul_(d).add_(self._staging[n].float(), alpha=1 - d)
+            s.mul_(d).add_(_value(self._staging[n]).float(), alpha=1 - d)
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -71,9 +78,17 @@ class ParamEMA:
     def reset(self) -> None:
         """Start again from the current parameters (e.g. a checkpoint written without an EMA)."""
         self.wait()
-        for n, p in self.named:
-            self.shadow[n].copy_(p.detach())
+        for n, ts in self.named:
+            self.shadow[n].copy_(_value(ts).detach())
 
     def close(self) -> None:
         self.wait()
         self._pool.shutdown()
+
+
+def _value(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tensor itself, or a split master's FP32 values from its two halves."""
+    if len(ts) == 1:
+        return ts[0]
+    from kernels.adamw import join_master
+    return join_master(*ts).view(ts[0].shape)

@@ -240,7 +240,8 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
         held = stages_of_rank(schedule, r)
         dense, expert, rnotes = rank_params(parts, split, held, m.mtp_depth)
         expert //= p.ep
-        state = formula(dense, expert, dims.dp, dims.edp, p.zero, m_b, w_b, p.pp)
+        state = formula(dense, expert, dims.dp, dims.edp, p.zero, m_b, w_b, p.pp,
+                        2 if cfg.optim.master == "split" else 4)
         saved, working = {s: acts[s][0] for s in held}, max(acts[s][1] for s in held)
         peak = saved[0] if sim is None else peak_live(sim.spans[r], saved.__getitem__, wgrad.__getitem__)
         ranks.append(RankMemory(

@@ -108,7 +108,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt.optimizer, self._lr_multiplier)
         self.graphed = self._graphed_step()
         master = self.opt.master_weights()   # the FP32 truth of BF16 weights (None: the FP32 weights are)
-        self.ema = ParamEMA(self.model if master is None else master, t.ema_decay) if t.ema_decay else None
+        halves = getattr(self.opt, "master_halves", lambda: None)()   # a split master's live halves (zero=0 only)
+        self.ema = ParamEMA(halves or (self.model if master is None else master), t.ema_decay) if t.ema_decay else None
         self.memory = self.opt.memory()   # bytes of weights, gradients, master, optimizer state on this rank
         self.batches, self.val, self.val_sources = open_data(cfg, self.dims, self.corpus)   # per data.val_blend source
         m = cfg.model

@@ -36,7 +36,7 @@ from torch import nn
 
 from kernels import adamw as adamw_kernel
 
-from ..data_parallel import all_finite, clip_coef, clip_grad_norm, grad_norm, grad_sq, sync_gradients
+from ..data_parallel import all_finite, clip_coef, clip_grad_norm, grad_norm, grad_sq, reduce_gradients, sync_gradients
 from ..dims import ParallelDims
 from ..state_dict import to_global, to_local
 from .master import WEIGHT_DTYPES, FP32Grads, cast_
@@ -88,28 +88,43 @@ class Replicated:
 
     ``moments="bf16"`` (``optim.moment_dtype``) keeps both moments in BF16, DeepSeek-V3's recipe (maths in FP32):
     ``torch.optim.AdamW`` keeps them in the parameter's dtype, so off the kernel those steps run
-    ``kernels.adamw.reference_adamw_``, the kernel's maths in torch, as the native ZeRO optimizer does."""
+    ``kernels.adamw.reference_adamw_``, the kernel's maths in torch, as the native ZeRO optimizer does.
+
+    ``master="split"`` (``optim.master``; BF16 weights): the FP32 master is the BF16 weight itself and 16 low bits
+    per element (``kernels.adamw.split_master``: ``self.named`` holds the int16 low halves), 2 bytes less memory
+    and 2 bytes less AdamW traffic per parameter; the kernel (or its torch reference) reads and writes both halves.
+    The master's values are those of ``master="fp32"`` bit for bit; the weight is the master rounded to nearest
+    but for exact ties, which round toward zero."""
 
     def __init__(self, model: nn.Module, optim_cfg, dims: ParallelDims, grad_weight: Callable[[str], float] | None,
                  weights: str = "fp32", fused: bool | None = None, kernel: bool | None = None,
-                 moments: str = "fp32"):
+                 moments: str = "fp32", master: str = "fp32"):
+        if master not in MASTERS:
+            raise ValueError(f"optim.master: {master!r} is not one of {', '.join(MASTERS)}")
+        if master == "split" and weights == "fp32":
+            raise ValueError("optim.master=split: FP32 weights are their own master; it needs BF16 weights")
         self.model, self.dims, self.grad_weight = model, dims, grad_weight
+        self.split = master == "split"
         self.moments = MOMENT_DTYPES[moments]
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fp32_grads = None
         self._sq: tuple = (None, None)   # grads_finite's sums and the gradients they came from (_held_sq)
         self.named = self.params   # what AdamW updates: the parameters, or their FP32 master
-        if weights != "fp32":
+        if self.split:
+            self.named = [(n, self._split(p)) for n, p in self.params]   # the low halves; the weights the high ones
+        elif weights != "fp32":
             self.named = [(n, nn.Parameter(p.detach())) for n, p in self.params]   # keeps the FP32 storage
             cast_([p for _, p in self.params], WEIGHT_DTYPES[weights])
+        if weights != "fp32":
             self.fp32_grads = FP32Grads([p for _, p in self.params])
         tensors = [t for _, t in self.named]
-        self.kernel = triton_adamw(tensors) if kernel is None else kernel
+        kernel_on = [p for _, p in self.params] if self.split else tensors   # the split master's weights: BF16
+        self.kernel = triton_adamw(kernel_on) if kernel is None else kernel
         self.check_kernel = kernel is None   # the default path: the kernel runs where it passed its self-check
         decay = [t for t in tensors if t.dim() >= 2]
         no_decay = [t for t in tensors if t.dim() < 2]
         groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        own = self.moments != torch.float32     # moments torch's AdamW cannot keep: the reference updates them
+        own = self.moments != torch.float32 or self.split   # what torch's AdamW cannot update: the reference does
         fused = fused_adamw(tensors) and not self.kernel and not own if fused is None else fused
         self.optimizer = torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
                                            eps=optim_cfg.eps, fused=fused or None)
@@ -117,6 +132,14 @@ class Replicated:
             self.optimizer.state[t].update(step=adamw_step_counter(t, fused),
                                            exp_avg=torch.zeros_like(t, dtype=self.moments),
                                            exp_avg_sq=torch.zeros_like(t, dtype=self.moments))
+
+    @staticmethod
+    @torch.no_grad()
+    def _split(p: nn.Parameter) -> torch.Tensor:
+        """``p``'s FP32 values split: its data becomes the high halves (BF16), the low halves are returned."""
+        high, low = adamw_kernel.split_master(p.detach())
+        p.data = high.view(p.shape)
+        return low.view(p.shape)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -158,12 +181,16 @@ class Replicated:
         return sq
 
     def step(self, max_norm: float) -> torch.Tensor:
-        kernel = self.kernel and (not self.check_kernel or adamw_kernel.usable(self.named[0][1].device))
-        grads = self._take_grads(as_held=(kernel or self.moments != torch.float32) and self.dims.dp == 1)
-        if self.dims.dp > 1:
+        kernel = self.kernel and (not self.check_kernel or adamw_kernel.usable(self.named[0][1].device, self.split))
+        own = kernel or self.moments != torch.float32 or self.split
+        grads = self._take_grads(as_held=own and self.dims.dp == 1)
+        if self.dims.dp > 1 and self.split:   # FP32 sums, as the FP32 master's .grad would hold them
+            grads = [torch.zeros(p.shape, device=p.device) if g is None else g for (_, p), g in zip(self.params, grads)]
+            reduce_gradients(self.model, self.dims, [(n, g) for (n, _), g in zip(self.params, grads)])
+        elif self.dims.dp > 1:
             sync_gradients(self.model, self.dims, self.named)
             grads = [t.grad for _, t in self.named]
-        if kernel or self.moments != torch.float32:
+        if own:
             update = adamw_kernel.triton_adamw_ if kernel else adamw_kernel.reference_adamw_
             return self._own_step(grads, max_norm, update)
         if self.dims.world_size > 1:
@@ -184,7 +211,9 @@ class Replicated:
         for (_, p), (_, m) in zip(self.params, self.named):
             g = self.fp32_grads.pop(p)
             if g is not None and not as_held:
-                m.grad = g = g.float()
+                g = g.float()
+                if not self.split:   # the split master's low halves hold no gradient: step() reduces the list
+                    m.grad = g
             grads.append(g)
         return grads
 
@@ -255,12 +284,28 @@ class Replicated:
         checkpoint stores as the weights; None when the weights are FP32 and their own master."""
         if self.fp32_grads is None:
             return None
+        if self.split:   # joined anew: FP32 copies (what checkpoints store), not the halves the optimizer updates
+            return to_global({n: adamw_kernel.join_master(p.detach(), m).view(p.shape)
+                              for (n, p), (_, m) in zip(self.params, self.named)}, {}, self.model, self.dims)[0]
         return to_global({n: m.detach() for n, m in self.named}, {}, self.model, self.dims)[0]
+
+    def master_halves(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """With a split master, name -> (BF16 weight, int16 low halves): the live halves, which
+        ``trainer.ema.ParamEMA`` joins at each update (``master_weights`` gives copies); else None."""
+        if not self.split:
+            return None
+        return {n: (p.detach(), m) for (n, p), (_, m) in zip(self.params, self.named)}
 
     @torch.no_grad()
     def load_master_weights(self, sd: dict[str, torch.Tensor]) -> None:
         """The master from ``sd`` (``master_weights``' form, loaded), then the BF16 weights from it."""
         sd = to_local(sd)
+        if self.split:
+            for (n, p), (_, m) in zip(self.params, self.named):
+                high, low = adamw_kernel.split_master(sd[n].to(p.device))
+                p.copy_(high.view(p.shape))
+                m.copy_(low.view(m.shape))
+            return
         for n, m in self.named:
             m.copy_(sd[n])
         self._cast_master()
@@ -269,13 +314,14 @@ class Replicated:
         params = [p for _, p in self.params]
         n = sum(p.numel() for p in params)
         measured = {"params": sum(p.numel() * p.element_size() for p in params), "grads": 4 * n,
-                    "master": 4 * n if self.fp32_grads is not None else 0,
+                    "master": (2 if self.split else 4) * n if self.fp32_grads is not None else 0,
                     "optim": 2 * self.moments.itemsize * n}   # fp32 grads and AdamW moments of every local parameter
         return account(self.model, self.dims, zero=0, moment_bytes=self.moments.itemsize, measured=measured,
-                       weight_bytes=params[0].element_size() if params else 4)
+                       weight_bytes=params[0].element_size() if params else 4, master_bytes=2 if self.split else 4)
 
 
 MOMENT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}   # optim.moment_dtype's values, ``auto`` resolved
+MASTERS = ("fp32", "split")   # optim.master: the FP32 master as its own tensor, or as the BF16 weight + 16 low bits
 
 
 def moment_dtype(setting: str, zero: int, backend: str = "native", weights: str = "fp32") -> str:
@@ -299,9 +345,12 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
     master and casts the parameters to BF16 (``master.py``); ``fp32`` leaves them FP32, their own master."""
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {weights!r}")
+    if zero and getattr(optim, "master", "fp32") != "fp32":
+        raise ValueError(f"optim.master={optim.master} runs without ZeRO only (parallel.zero={zero})")
     if zero == 0:
         return Replicated(model, optim, dims, grad_weight, weights,
-                          moments=moment_dtype(getattr(optim, "moment_dtype", "auto"), zero, backend, weights))
+                          moments=moment_dtype(getattr(optim, "moment_dtype", "auto"), zero, backend, weights),
+                          master=getattr(optim, "master", "fp32"))
     if backend == "deepspeed":
         from .deepspeed_backend import DeepSpeedZero
         return DeepSpeedZero(model, optim, dims, stage=zero, bucket_mb=bucket_mb, weights=weights)
@@ -311,5 +360,5 @@ def build_optimizer(model: nn.Module, optim, dims: ParallelDims, zero: int = 0, 
                          bucket_mb=bucket_mb, grad_weight=grad_weight, weights=weights)
 
 
-__all__ = ["build_optimizer", "moment_dtype", "MOMENT_DTYPES", "WEIGHT_DTYPES", "NonFiniteGradients",
+__all__ = ["build_optimizer", "moment_dtype", "MOMENT_DTYPES", "MASTERS", "WEIGHT_DTYPES", "NonFiniteGradients",
            "Replicated", "MemoryReport", "account"]

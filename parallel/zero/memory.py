@@ -52,21 +52,22 @@ class MemoryReport:
 
 
 def formula(dense: float, expert: float, dp: int, edp: int, zero: int, moment_bytes: int,
-            weight_bytes: int = 4, pp: int = 1) -> dict[str, int]:
-    """The table above, in bytes per rank."""
+            weight_bytes: int = 4, pp: int = 1, master_bytes: int = 4) -> dict[str, int]:
+    """The table above, in bytes per rank; ``master_bytes``: 2 for a split master (``optim.master=split``: the
+    BF16 weight is its high half, so only the low halves are extra)."""
     full = dense + expert
     shard = dense / dp + expert / edp
     return {"params": round(weight_bytes * full),
             "grads": round(4 * (shard if zero >= 2 and pp == 1 else full)),
-            "master": round(4 * (shard if zero >= 1 else 0 if weight_bytes == 4 else full)),
+            "master": round(master_bytes * (shard if zero >= 1 else 0 if weight_bytes == 4 else full)),
             "optim": round(2 * moment_bytes * (shard if zero >= 1 else full))}
 
 
 def account(model: nn.Module, dims: ParallelDims, zero: int, moment_bytes: int, measured: dict[str, int],
-            weight_bytes: int = 4) -> MemoryReport:
+            weight_bytes: int = 4, master_bytes: int = 4) -> MemoryReport:
     expert = is_expert_param(model)
     n_dense = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and not expert[n])
     n_expert = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and expert[n])
     return MemoryReport(measured, formula(n_dense, n_expert, dims.dp, dims.edp, zero, moment_bytes, weight_bytes,
-                                          dims.pp),
+                                          dims.pp, master_bytes),
                         n_dense, n_expert)
