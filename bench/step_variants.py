@@ -1,17 +1,19 @@
 """One training step of ``v3_small`` on one GPU, variant against variant in one process:
 ``python -m bench.step_variants [--layers 12] [--variants A,C,D,E | pending] [--deadline-s 300] [--json out.json]``.
 
-Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast),
-B compiled regions with torch's AdamW, C the trainer's settings on CUDA launched eagerly (``train.compile=auto``,
-the Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16
+Variants (``VARIANTS``): A the step before the lean-step work (eager, torch's clip + fused AdamW + master cast), B
+compiled regions with torch's AdamW, C the trainer's settings on CUDA launched eagerly (``train.compile=auto``, the
+Triton AdamW, BF16 moments), D C in FP8, E C at batch 8, F C with FP32 moments (as C was measured before BF16
 moments became the default), G and H: C and D with their forward and backward replayed from a CUDA graph
 (``train.cuda_graph``, the trainer's default for G), I G at batch 8, J H with the opt-in ``quant_act_both``, K H
-with torch's copy instead of the weights' transpose kernel (the baseline), L G with each new compiled graph
-checked against eager, M G with the FFN norms' compiled regions taking the residual add before them
+with torch's copy instead of the weights' transpose kernel (the baseline), L G with each new compiled graph checked
+against eager, M G with the FFN norms' compiled regions taking the residual add before them
 (``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured), N G with ``train.head_loss=inplace``, O G with
-``optim.master=split`` (both opt-in until measured). All but N with the fused head (``train.head_loss=fused``),
-batch 4 x 2048 unless stated, random tokens (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose
-host time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
+``optim.master=split``, P G with the dispatch's copies gathered back per token (``DSV3_GATHER_COPIES=1``), Q G with
+the combine's un-sort by a gathered backward (``DSV3_UNSORT_GATHER=1``; all opt-in until measured). All but N with
+the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
+(``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose host
+time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
 profiled step and the ops (with input shapes and calling lines) whose kernels took the most of it, the copies and
 casts among them however small (the eager variants: a graph's replay runs no op), and with
 ``--host-profile N`` the N functions with the most own host time. Needs CUDA (and
@@ -46,15 +48,19 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
           "auto", True),
     "O": ("G with the FP32 master as the BF16 weights and 16 low bits (optim.master=split)", "bf16", "auto", "auto",
           4, "auto", True),
+    "P": ("G with the dispatch's copies gathered back per token (DSV3_GATHER_COPIES=1)", "bf16", "auto", "auto", 4,
+          "auto", True),
+    "Q": ("G with the combine's un-sort by a gathered backward (DSV3_UNSORT_GATHER=1)", "bf16", "auto", "auto", 4,
+          "auto", True),
 }
 HEAD_LOSS = {"N": "inplace"}   # train.head_loss of a variant; the others run the trainer's default, fused
 MASTER = {"O": "split"}        # optim.master of a variant; the others: fp32
 # Opt-in changes waiting for a GPU's verdict against G (``--variants pending``: G and these, in one process);
 # a change that a GPU timed faster and right becomes the default, and its variant leaves this list.
-PENDING = ("M", "N", "O")
+PENDING = ("M", "N", "O", "P", "Q")
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
 ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
-       "M": {"DSV3_COMPILE_RESIDUAL": "1"}}
+       "M": {"DSV3_COMPILE_RESIDUAL": "1"}, "P": {"DSV3_GATHER_COPIES": "1"}, "Q": {"DSV3_UNSORT_GATHER": "1"}}
 
 
 @contextlib.contextmanager

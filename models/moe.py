@@ -176,12 +176,67 @@ def gate_weighted_sum(y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     return (y_TKD * w_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1, dtype=y_TKD.dtype)
 
 
+def index_copies(x_TD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
+    """``x_TD[order_R // K]``: each token's K copies in the order ``order_R`` sorted them (the dispatch's gather;
+    autograd's backward sums the copies' gradients per token by an accumulating index write)."""
+    return x_TD[order_R // K]
+
+
+class _GatherCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
+        ctx.save_for_backward(order_R)
+        ctx.K = K
+        return x_TD[order_R // K]
+
+    @staticmethod
+    def backward(ctx, g_RD: torch.Tensor):
+        (order_R,) = ctx.saved_tensors
+        g_RD = g_RD[inverse_permutation(order_R)]
+        if ctx.K > 1:
+            g_RD = g_RD.view(-1, ctx.K, g_RD.shape[-1]).sum(1, dtype=g_RD.dtype)   # see gate_weighted_sum
+        return g_RD, None, None
+
+
+def gather_copies(x_TD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
+    """``index_copies`` for a permutation ``order_R`` of the T*K (token, k) copies, whose backward un-sorts the
+    copies' gradients (a gather by the inverse permutation) and sums each token's K of them, where autograd's
+    writes them into ``[T, D]`` by an accumulating index write (a sort of the indices, then atomic or segmented
+    adds). The same sums: exact up to the order of K additions."""
+    return _GatherCopies.apply(x_TD, order_R, K)
+
+
+class _Unsort(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        return y_sorted[inverse_permutation(order)]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return g[order], None
+
+
+def unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``y_sorted[argsort(order)]`` for a permutation ``order``: rows sorted by ``order`` put back. Its backward
+    sorts the gradient's rows again (a gather by ``order``), where autograd's writes them into zeros by an index
+    write (a zero fill and a scatter). Exact either way: each row moves once."""
+    return _Unsort.apply(y_sorted, order)
+
+
 def unsort_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     """Expert outputs sorted by expert (``order`` sorted the T*K copies) back in (token, k) order,
     weighted by the gate and summed over k -> ``[T, D]``. A gather, not ``index_add``: deterministic."""
     T, K = w_TK.shape
     y_TKD = y_sorted[inverse_permutation(order)].view(T, K, y_sorted.shape[-1])
     return gate_weighted_sum(y_TKD, w_TK)
+
+
+def unsort_rows_and_weight(y_sorted: torch.Tensor, order: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """``unsort_and_weight`` with ``unsort_rows``' backward (the same values and gradients, bit for bit)."""
+    T, K = w_TK.shape
+    return gate_weighted_sum(unsort_rows(y_sorted, order).view(T, K, y_sorted.shape[-1]), w_TK)
 
 
 class LocalDispatcher:
@@ -192,6 +247,7 @@ class LocalDispatcher:
     links a latency).
     """
     link = LocalLink
+    gather = staticmethod(index_copies)       # the dispatch's copies of the tokens (a transform may replace it)
     weigh = staticmethod(unsort_and_weight)   # the combine's un-sort and weighted sum (a transform may compile it)
 
     def __init__(self, n_experts: int):
@@ -204,7 +260,7 @@ class LocalDispatcher:
         flat_R = topk_idx_TK.flatten()
         order_R = torch.argsort(flat_R, stable=True)
         tokens_per_expert = expert_counts(flat_R, self.n_experts)
-        x_RD = x_TD[order_R // K]
+        x_RD = self.gather(x_TD, order_R, K)
         return x_RD, tokens_per_expert, (order_R, topk_weight_TK)
 
     def combine(self, y_RD: torch.Tensor, handle: Any) -> torch.Tensor:

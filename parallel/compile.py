@@ -5,7 +5,11 @@ Regions: every ``RMSNorm`` (``models.layers.rms_norm``; with ``RESIDUAL_ENV=1`` 
 before it too, ``RMSNorm.residual``: ``models.layers.add_rms_norm``, whose backward sums the residual stream's two
 gradients: opt-in until a GPU has run its generated kernels), every ``SwiGLU`` product (``models.layers.swiglu``:
 dense MLPs, shared and routed experts), the MoE combine's un-sort and gate-weighted sum
-(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers), each
+(``models.moe.unsort_and_weight``, the ``weigh`` of the single-device and flat all-to-all dispatchers; with
+``UNSORT_ENV=1`` ``unsort_rows_and_weight``, whose backward gathers the gradient's rows instead of a zero fill and a
+scatter), with ``GATHER_ENV=1`` the single-device dispatch's copies of the tokens (``models.moe.gather_copies``,
+``LocalDispatcher.gather``: backward, the copies' gradients un-sorted and summed per token in one pass, instead of
+an accumulating index write; the flat all-to-all dispatcher's backward does the same), each
 attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
 ``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``), each router's
 selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert top-k's,
@@ -46,13 +50,16 @@ from torch import nn
 
 from models.attention import MLA, key_value_heads, query_heads
 from models.layers import RMSNorm, SwiGLU, add_rms_norm, rms_norm, swiglu
-from models.moe import LocalDispatcher, MoE, balance_and_load, select_experts, unsort_and_weight
+from models.moe import (LocalDispatcher, MoE, balance_and_load, gather_copies, select_experts, unsort_and_weight,
+                        unsort_rows_and_weight)
 
 log = logging.getLogger("parallel")
 
 MODES = ("auto", "on", "off")   # train.compile
 CHECK_ENV = "DSV3_COMPILE_CHECK"   # "1": every new graph checked against eager (module doc)
 RESIDUAL_ENV = "DSV3_COMPILE_RESIDUAL"   # "1": RMSNorm.residual compiled as one region (OTHER_METHODS; module doc)
+GATHER_ENV = "DSV3_GATHER_COPIES"       # "1": the dispatch's copies with gather_copies' backward (module doc)
+UNSORT_ENV = "DSV3_UNSORT_GATHER"       # "1": the combine's un-sort with unsort_rows' backward (module doc)
 # Graphs a region may keep (dynamo's recompile limit, 8 by default): a norm sees 3 widths (model, q and kv latents),
 # BF16 and FP32 inputs, training and no-grad evaluation, and batch shapes; past the limit dynamo runs it eagerly.
 RECOMPILE_LIMIT = 64
@@ -213,6 +220,11 @@ class Region:
         return region(self.fn, self.backend)(*args)
 
 
+def _on(env: str) -> bool:
+    """An opt-in of this module (``RESIDUAL_ENV``, ``GATHER_ENV``, ``UNSORT_ENV``) set to 1."""
+    return os.environ.get(env) == "1"
+
+
 def _weighing(m: nn.Module) -> bool:
     """A MoE layer whose dispatcher combines with ``unsort_and_weight`` (the single-device and the flat
     all-to-all dispatchers; the hierarchical one sums per node with its own steps)."""
@@ -229,8 +241,11 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
     names = []
     for name, m in model.named_modules():
         if _weighing(m):
-            m.dispatcher.weigh = Region(unsort_and_weight, backend)
+            m.dispatcher.weigh = Region(unsort_rows_and_weight if _on(UNSORT_ENV) else unsort_and_weight, backend)
             names.append(f"{name}.dispatcher.weigh")
+        if isinstance(m, MoE) and isinstance(m.dispatcher, LocalDispatcher) and _on(GATHER_ENV):
+            m.dispatcher.gather = Region(gather_copies, backend)
+            names.append(f"{name}.dispatcher.gather")
         if isinstance(m, MLA):
             m.query_heads, m.kv_heads = Region(query_heads, backend), Region(key_value_heads, backend)
             names += [f"{name}.query_heads", f"{name}.kv_heads"]
@@ -246,7 +261,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
             continue
         key = (base, backend)
         if key not in classes:
-            others = OTHER_METHODS.get(base, {}) if os.environ.get(RESIDUAL_ENV) == "1" else {}
+            others = OTHER_METHODS.get(base, {}) if _on(RESIDUAL_ENV) else {}
             classes[key] = type(f"Compiled{base.__name__}", (base,), {
                 "forward": FORWARDS[base], **others, "compiled_from": base, "compile_backend": backend,
                 "__module__": __name__,
@@ -259,8 +274,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
 def compiled(model: nn.Module) -> list[str]:
     """The names of ``model``'s compiled modules and functions (``apply_compile``)."""
     return [n for n, m in model.named_modules() if getattr(type(m), "compiled_from", None) is not None] + \
-        [f"{n}.dispatcher.weigh" for n, m in model.named_modules()
-         if isinstance(m, MoE) and isinstance(m.dispatcher.__dict__.get("weigh"), Region)] + \
+        [f"{n}.dispatcher.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)
+         for attr in ("weigh", "gather") if isinstance(m.dispatcher.__dict__.get(attr), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MLA)
          for attr in ("query_heads", "kv_heads") if isinstance(m.__dict__.get(attr), Region)] + \
         [f"{n}.{attr}" for n, m in model.named_modules() if isinstance(m, MoE)
@@ -268,4 +283,5 @@ def compiled(model: nn.Module) -> list[str]:
          if isinstance(owner.__dict__.get(attr.rsplit(".", 1)[-1]), Region)]
 
 
-__all__ = ["CHECK_ENV", "MODES", "RESIDUAL_ENV", "Region", "apply_compile", "compiled", "enabled", "region"]
+__all__ = ["CHECK_ENV", "GATHER_ENV", "MODES", "RESIDUAL_ENV", "UNSORT_ENV", "Region", "apply_compile", "compiled",
+           "enabled", "region"]

@@ -91,6 +91,30 @@ def test_the_residual_region_is_opt_in_and_equals_eager(monkeypatch):
     assert_same(loss_and_grads(model), loss_and_grads(comp))
 
 
+@pytest.mark.parametrize("env", ["GATHER_ENV", "UNSORT_ENV"])
+def test_the_dispatch_and_combine_opt_ins_equal_eager(monkeypatch, env):
+    """``GATHER_ENV=1``: the single-device dispatch's copies as a compiled ``gather_copies`` region;
+    ``UNSORT_ENV=1``: the combine's region with ``unsort_rows``' backward. Neither by default; with each, the step
+    still equals eager."""
+    import parallel.compile as pc
+    from models.moe import LocalDispatcher, unsort_and_weight, unsort_rows_and_weight
+    model = tiny()
+    default = copy.deepcopy(model)
+    apply_compile(default, backend="aot_eager")
+    moe = default.layers[1].ffn
+    assert "gather" not in vars(moe.dispatcher) and moe.dispatcher.weigh.fn is unsort_and_weight
+    monkeypatch.setenv(getattr(pc, env), "1")
+    comp = copy.deepcopy(model)
+    names = apply_compile(comp, backend="aot_eager")
+    moe = comp.layers[1].ffn
+    if env == "GATHER_ENV":
+        assert isinstance(vars(moe.dispatcher)["gather"], pc.Region) and "layers.1.ffn.dispatcher.gather" in names
+        assert sorted(compiled(comp)) == sorted(names) and LocalDispatcher.gather is not moe.dispatcher.gather
+    else:
+        assert moe.dispatcher.weigh.fn is unsort_rows_and_weight
+    assert_same(loss_and_grads(model), loss_and_grads(comp))
+
+
 def test_compiled_regions_recompute():
     """Compile before recompute (``parallel.parallelize``'s order): the regions are compiled and recomputed."""
     model = tiny()
@@ -230,7 +254,7 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
     BF16 within one BF16 rounding (inductor keeps the norm's FP32 statistics in registers)."""
     from models.attention import key_value_heads, query_heads
     from models.layers import swiglu
-    from models.moe import unsort_and_weight
+    from models.moe import gather_copies, unsort_and_weight, unsort_rows_and_weight
     from parallel.compile import region
     g = torch.Generator(device="cuda").manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -263,6 +287,8 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
         check(swiglu, torch.randn(rows, 2 * 1024, generator=g, device="cuda", dtype=dtype))
         order = torch.randperm(rows, generator=g, device="cuda")          # rows = T * K copies, K = 8
         check(unsort_and_weight, x, order, torch.rand(rows // 8, 8, generator=g, device="cuda"))
+        check(unsort_rows_and_weight, x, order, torch.rand(rows // 8, 8, generator=g, device="cuda"))   # opt-ins
+        check(gather_copies, x[: rows // 8], order, 8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU")

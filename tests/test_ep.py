@@ -1,5 +1,6 @@
 """Expert parallelism (+ data parallelism) against the single-device model, on gloo/CPU processes."""
 import copy
+import os
 
 import pytest
 import torch
@@ -128,6 +129,20 @@ LAYOUTS = [  # world, ep, ranks_per_node, dispatcher
 @pytest.mark.parametrize("skew", [False, True])
 def test_ep_matches_single_device(tmp_path, world, ep, rpn, dispatcher, skew):
     spawn(_worker, world, tmp_path, ep, rpn, dispatcher, skew)
+
+
+def _gathered_worker(rank, world, *args):
+    from parallel.compile import GATHER_ENV
+    assert os.environ.get(GATHER_ENV) == "1"   # the opt-in reached the rank
+    _worker(rank, world, *args)
+
+
+def test_the_opt_in_gathered_dispatch_backward_matches_single_device(tmp_path, monkeypatch):
+    """``DSV3_GATHER_COPIES=1``: the flat all-to-all's dispatch backward un-sorts the returned copies' gradients
+    and sums them per token (``parallel.compile.GATHER_ENV``) instead of an accumulating index write."""
+    from parallel.compile import GATHER_ENV
+    monkeypatch.setenv(GATHER_ENV, "1")
+    spawn(_gathered_worker, 2, tmp_path, 2, 1, "alltoall", True)
 
 
 @pytest.mark.parametrize("rpn,groups", [

@@ -21,7 +21,8 @@ MODEL_FILES = ("models/layers.py", "models/attention.py", "models/moe.py", "mode
 # Functions of models/ that parallel/ may call: building blocks of the seams, not model compute; and the
 # functions of the compiled regions, which parallel/compile.py hands to torch.compile as they are written in
 # models/ (the modules' own forwards call the same functions), never re-implements.
-ALLOWED = {"build", "expert_counts", "inverse_permutation", "unsort_and_weight", "gate_weighted_sum", "span_steps",
+ALLOWED = {"build", "expert_counts", "inverse_permutation", "gather_copies", "unsort_and_weight",
+           "unsort_rows_and_weight", "gate_weighted_sum", "span_steps",
            "drive", "carrying", "rms_norm", "swiglu", "rope_heads", "query_heads", "key_value_heads", "select_experts",
            "balance_and_load", "add_rms_norm"}
 

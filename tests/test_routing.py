@@ -191,6 +191,49 @@ def test_the_inverse_permutation_is_argsorts():
         assert torch.equal(inverse_permutation(order), torch.argsort(order))
 
 
+def test_the_dispatch_gathers_copies_and_sums_their_gradients_per_token():
+    """``gather_copies`` (opt-in, ``parallel.compile.GATHER_ENV``): the rows of ``x[order // K]``; their gradients
+    back per token by an un-sort and a sum over each token's K copies instead of autograd's accumulating index
+    write (FP64: equal to rounding), and with ``K = 1`` a permutation's, exactly."""
+    from models.moe import gather_copies, index_copies
+    g = torch.Generator().manual_seed(0)
+    for T, K, D in ((1, 1, 3), (37, 1, 8), (64, 6, 16)):
+        order = torch.argsort(torch.randint(0, 5, (T * K,), generator=g), stable=True)
+        x = torch.randn(T, D, dtype=torch.float64, generator=g, requires_grad=True)
+        ref = x.detach().clone().requires_grad_()
+        dy = torch.randn(T * K, D, dtype=torch.float64, generator=g)
+        y = gather_copies(x, order, K)
+        assert torch.equal(y, index_copies(ref, order, K))
+        y.backward(dy), index_copies(ref, order, K).backward(dy)
+        assert torch.allclose(x.grad, ref.grad, rtol=1e-14, atol=1e-14) and (K > 1 or torch.equal(x.grad, ref.grad))
+        assert torch.autograd.gradcheck(lambda a: gather_copies(a, order, K), (x.detach().requires_grad_(),))
+
+
+def test_the_combine_s_unsort_by_a_gathered_backward_is_bit_for_bit_autograd_s():
+    """``unsort_rows`` and ``unsort_rows_and_weight`` (opt-in, ``parallel.compile.UNSORT_ENV``): the forward and
+    the gradients (rows and gate weights) equal plain indexing's, bit for bit, FP32 and BF16."""
+    from models.moe import inverse_permutation, unsort_and_weight, unsort_rows, unsort_rows_and_weight
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = torch.randn(48, 16, generator=g).to(dtype)
+        order = torch.randperm(48, generator=g)
+        dy = torch.randn(48, 16, generator=g).to(dtype)
+        a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+        out_a, out_b = unsort_rows(a, order), b[inverse_permutation(order)]
+        assert torch.equal(out_a, out_b)
+        out_a.backward(dy)
+        out_b.backward(dy)
+        assert torch.equal(a.grad, b.grad)
+        w = torch.rand(12, 4, generator=g, requires_grad=True)
+        runs = []
+        for fn in (unsort_and_weight, unsort_rows_and_weight):
+            yy, ww = y.clone().requires_grad_(), w.detach().clone().requires_grad_()
+            out = fn(yy, order, ww)
+            out.backward(torch.ones_like(out))
+            runs.append((out, yy.grad, ww.grad))
+        assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
 def _select_by_top_ks(logits_TE, bias_E, n_groups, group_topk, n_limited, topk, route_scale):
     """Node-limited selection written with a top-k for each stage: what ``select_experts`` must equal."""
     scores_TE = logits_TE.sigmoid()

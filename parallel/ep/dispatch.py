@@ -27,6 +27,7 @@ Shape legend: T tokens, K experts per token, D hidden, E experts (global), R rec
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from models.moe import expert_counts, gate_weighted_sum, inverse_permutation, unsort_and_weight
 from models.steps import Cut, Steps
 
+from ..compile import GATHER_ENV
 from .comm import Hop, Pending, all_to_all, exchange_counts, fp8_route, named_errors, start_all_to_all
 from .links import FlatLink, Handle, HopLink
 
@@ -184,6 +186,8 @@ class AllToAllDispatcher(_DispatcherBase):
         self.stats.add_time(kind, time.perf_counter() - t0)
 
         def finish():
+            if direction == "dispatch_grad" and os.environ.get(GATHER_ENV) == "1":   # un-sorted, summed per token
+                return [out[inverse_permutation(plan.order)].view(-1, plan.K, *out.shape[1:]).sum(1, dtype=out.dtype)]
             if direction == "dispatch_grad":   # the gather's backward: sum the copies per token
                 summed = out.new_zeros((tokens.numel() // plan.K, *out.shape[1:]))
                 return [summed.index_put_((tokens,), out, accumulate=True)]
