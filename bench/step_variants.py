@@ -10,7 +10,8 @@ with torch's copy instead of the weights' transpose kernel (the baseline), L G w
 against eager, M G with the FFN norms' compiled regions taking the residual add before them
 (``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured), N G with ``train.head_loss=inplace``, O G with
 ``optim.master=split``, P G with the dispatch's copies gathered back per token (``DSV3_GATHER_COPIES=1``), Q G with
-the combine's un-sort by a gathered backward (``DSV3_UNSORT_GATHER=1``; all opt-in until measured). All but N with
+the combine's un-sort by a gathered backward (``DSV3_UNSORT_GATHER=1``), R G with the attention heads laid out
+``[B,T,H,.]`` (``DSV3_HEADS_BTHD=1``; all opt-in until measured). All but N with
 the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose host
 time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
@@ -52,15 +53,18 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
           "auto", True),
     "Q": ("G with the combine's un-sort by a gathered backward (DSV3_UNSORT_GATHER=1)", "bf16", "auto", "auto", 4,
           "auto", True),
+    "R": ("G with the attention heads laid out [B,T,H,.] (DSV3_HEADS_BTHD=1)", "bf16", "auto", "auto", 4, "auto",
+          True),
 }
 HEAD_LOSS = {"N": "inplace"}   # train.head_loss of a variant; the others run the trainer's default, fused
 MASTER = {"O": "split"}        # optim.master of a variant; the others: fp32
 # Opt-in changes waiting for a GPU's verdict against G (``--variants pending``: G and these, in one process);
 # a change that a GPU timed faster and right becomes the default, and its variant leaves this list.
-PENDING = ("M", "N", "O", "P", "Q")
+PENDING = ("M", "N", "O", "P", "Q", "R")
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
 ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
-       "M": {"DSV3_COMPILE_RESIDUAL": "1"}, "P": {"DSV3_GATHER_COPIES": "1"}, "Q": {"DSV3_UNSORT_GATHER": "1"}}
+       "M": {"DSV3_COMPILE_RESIDUAL": "1"}, "P": {"DSV3_GATHER_COPIES": "1"}, "Q": {"DSV3_UNSORT_GATHER": "1"},
+       "R": {"DSV3_HEADS_BTHD": "1"}}
 
 
 @contextlib.contextmanager

@@ -45,6 +45,26 @@ def key_value_heads(kv_BTC: torch.Tensor, k_pe_BTR: torch.Tensor, cos: torch.Ten
     return rotate(k_nope, k_pe_BTR.unsqueeze(1), cos, sin), v.contiguous()
 
 
+def query_heads_bthd(q_BTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, nope: int,
+                     rotate=rope_heads) -> torch.Tensor:
+    """``query_heads``' values, laid out ``[B,T,H,N+R]`` in memory and returned as their ``[B,H,T,N+R]`` view: an
+    attention kernel that lays its output out like its query (cuDNN's) then gives one that ``MLA.core`` flattens
+    into wo's input as a view, without a copy."""
+    B, T, _ = q_BTC.shape
+    q = q_BTC.view(B, T, n_heads, -1)
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
+    return rotate(q_nope, q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2)).transpose(1, 2)
+
+
+def key_value_heads_bthd(kv_BTC: torch.Tensor, k_pe_BTR: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         n_heads: int, nope: int, rotate=rope_heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_value_heads``' values, laid out ``[B,T,H,.]`` in memory like ``query_heads_bthd``'s."""
+    B, T, _ = kv_BTC.shape
+    k_nope, v = kv_BTC.view(B, T, n_heads, -1).split([nope, kv_BTC.shape[-1] // n_heads - nope], -1)
+    k = rotate(k_nope, k_pe_BTR.unsqueeze(2), cos.unsqueeze(-2), sin.unsqueeze(-2))
+    return k.transpose(1, 2), v.contiguous().transpose(1, 2)
+
+
 class MLA(nn.Module):
     # What runs between each up-projection and the attention, and the rotation inside it (a transform may
     # compile either the rotation or the whole of each).

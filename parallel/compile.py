@@ -11,7 +11,9 @@ scatter), with ``GATHER_ENV=1`` the single-device dispatch's copies of the token
 ``LocalDispatcher.gather``: backward, the copies' gradients un-sorted and summed per token in one pass, instead of
 an accumulating index write; the flat all-to-all dispatcher's backward does the same), each
 attention's whole query and key/value heads from its up-projections' outputs (layout, rotation, concatenation:
-``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``), each router's
+``models.attention.query_heads``, ``key_value_heads``; ``MLA.query_heads``, ``MLA.kv_heads``; with ``HEADS_ENV=1``
+``query_heads_bthd``, ``key_value_heads_bthd``: the same values laid out ``[B,T,H,.]``, so that an attention kernel
+whose output follows its query's layout gives wo's input without a copy), each router's
 selection after its GEMM (``models.moe.select_experts``, ``Gate.select``: sigmoid, group and expert top-k's,
 normalisation; inductor runs the top-k's as torch's kernels and fuses the rest) and each MoE layer's balance loss
 and load count (``models.moe.balance_and_load``, ``MoE.balance_terms``).
@@ -48,7 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.attention import MLA, key_value_heads, query_heads
+from models.attention import MLA, key_value_heads, key_value_heads_bthd, query_heads, query_heads_bthd
 from models.layers import RMSNorm, SwiGLU, add_rms_norm, rms_norm, swiglu
 from models.moe import (LocalDispatcher, MoE, balance_and_load, gather_copies, select_experts, unsort_and_weight,
                         unsort_rows_and_weight)
@@ -60,6 +62,7 @@ CHECK_ENV = "DSV3_COMPILE_CHECK"   # "1": every new graph checked against eager 
 RESIDUAL_ENV = "DSV3_COMPILE_RESIDUAL"   # "1": RMSNorm.residual compiled as one region (OTHER_METHODS; module doc)
 GATHER_ENV = "DSV3_GATHER_COPIES"       # "1": the dispatch's copies with gather_copies' backward (module doc)
 UNSORT_ENV = "DSV3_UNSORT_GATHER"       # "1": the combine's un-sort with unsort_rows' backward (module doc)
+HEADS_ENV = "DSV3_HEADS_BTHD"           # "1": the attention heads laid out [B,T,H,.] in memory (module doc)
 # Graphs a region may keep (dynamo's recompile limit, 8 by default): a norm sees 3 widths (model, q and kv latents),
 # BF16 and FP32 inputs, training and no-grad evaluation, and batch shapes; past the limit dynamo runs it eagerly.
 RECOMPILE_LIMIT = 64
@@ -221,7 +224,7 @@ class Region:
 
 
 def _on(env: str) -> bool:
-    """An opt-in of this module (``RESIDUAL_ENV``, ``GATHER_ENV``, ``UNSORT_ENV``) set to 1."""
+    """An opt-in of this module (``RESIDUAL_ENV``, ``GATHER_ENV``, ``UNSORT_ENV``, ``HEADS_ENV``) set to 1."""
     return os.environ.get(env) == "1"
 
 
@@ -247,7 +250,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[str]:
             m.dispatcher.gather = Region(gather_copies, backend)
             names.append(f"{name}.dispatcher.gather")
         if isinstance(m, MLA):
-            m.query_heads, m.kv_heads = Region(query_heads, backend), Region(key_value_heads, backend)
+            q, kv = (query_heads_bthd, key_value_heads_bthd) if _on(HEADS_ENV) else (query_heads, key_value_heads)
+            m.query_heads, m.kv_heads = Region(q, backend), Region(kv, backend)
             names += [f"{name}.query_heads", f"{name}.kv_heads"]
         if isinstance(m, MoE):
             m.gate.select = Region(select_experts, backend)
@@ -283,5 +287,5 @@ def compiled(model: nn.Module) -> list[str]:
          if isinstance(owner.__dict__.get(attr.rsplit(".", 1)[-1]), Region)]
 
 
-__all__ = ["CHECK_ENV", "GATHER_ENV", "MODES", "RESIDUAL_ENV", "UNSORT_ENV", "Region", "apply_compile", "compiled",
-           "enabled", "region"]
+__all__ = ["CHECK_ENV", "GATHER_ENV", "HEADS_ENV", "MODES", "RESIDUAL_ENV", "UNSORT_ENV", "Region", "apply_compile",
+           "compiled", "enabled", "region"]

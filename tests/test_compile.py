@@ -91,18 +91,20 @@ def test_the_residual_region_is_opt_in_and_equals_eager(monkeypatch):
     assert_same(loss_and_grads(model), loss_and_grads(comp))
 
 
-@pytest.mark.parametrize("env", ["GATHER_ENV", "UNSORT_ENV"])
-def test_the_dispatch_and_combine_opt_ins_equal_eager(monkeypatch, env):
+@pytest.mark.parametrize("env", ["GATHER_ENV", "UNSORT_ENV", "HEADS_ENV"])
+def test_the_dispatch_combine_and_heads_opt_ins_equal_eager(monkeypatch, env):
     """``GATHER_ENV=1``: the single-device dispatch's copies as a compiled ``gather_copies`` region;
-    ``UNSORT_ENV=1``: the combine's region with ``unsort_rows``' backward. Neither by default; with each, the step
-    still equals eager."""
+    ``UNSORT_ENV=1``: the combine's region with ``unsort_rows``' backward; ``HEADS_ENV=1``: the attention heads laid
+    out ``[B,T,H,.]``. None by default; with each, the step still equals eager."""
     import parallel.compile as pc
+    from models.attention import query_heads, query_heads_bthd
     from models.moe import LocalDispatcher, unsort_and_weight, unsort_rows_and_weight
     model = tiny()
     default = copy.deepcopy(model)
     apply_compile(default, backend="aot_eager")
     moe = default.layers[1].ffn
     assert "gather" not in vars(moe.dispatcher) and moe.dispatcher.weigh.fn is unsort_and_weight
+    assert default.layers[0].attn.query_heads.fn is query_heads
     monkeypatch.setenv(getattr(pc, env), "1")
     comp = copy.deepcopy(model)
     names = apply_compile(comp, backend="aot_eager")
@@ -110,8 +112,10 @@ def test_the_dispatch_and_combine_opt_ins_equal_eager(monkeypatch, env):
     if env == "GATHER_ENV":
         assert isinstance(vars(moe.dispatcher)["gather"], pc.Region) and "layers.1.ffn.dispatcher.gather" in names
         assert sorted(compiled(comp)) == sorted(names) and LocalDispatcher.gather is not moe.dispatcher.gather
-    else:
+    elif env == "UNSORT_ENV":
         assert moe.dispatcher.weigh.fn is unsort_rows_and_weight
+    else:
+        assert comp.layers[0].attn.query_heads.fn is query_heads_bthd
     assert_same(loss_and_grads(model), loss_and_grads(comp))
 
 
@@ -252,7 +256,7 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
     """Inductor's kernels for the norm (alone and after the residual add), SwiGLU, combine and attention-heads
     regions vs eager: FP32 to rounding,
     BF16 within one BF16 rounding (inductor keeps the norm's FP32 statistics in registers)."""
-    from models.attention import key_value_heads, query_heads
+    from models.attention import key_value_heads, key_value_heads_bthd, query_heads, query_heads_bthd
     from models.layers import swiglu
     from models.moe import gather_copies, unsort_and_weight, unsort_rows_and_weight
     from parallel.compile import region
@@ -276,9 +280,10 @@ def test_inductor_regions_on_cuda_equal_eager(dtype):
 
     cos, sin = (torch.randn(512, 16, generator=g, device="cuda") for _ in range(2))   # [T, R/2]
     # v3_small's heads: 16 x (nope 64 + rope 32) queries, 16 x (nope 64 + value 64) keys/values, one 32-dim rope key
-    check(query_heads, torch.randn(2, 512, 16 * 96, generator=g, device="cuda", dtype=dtype), cos, sin, 16, 64)
-    check(key_value_heads, torch.randn(2, 512, 16 * 128, generator=g, device="cuda", dtype=dtype),
-          torch.randn(2, 512, 32, generator=g, device="cuda", dtype=dtype), cos, sin, 16, 64)
+    for qh, kvh in ((query_heads, key_value_heads), (query_heads_bthd, key_value_heads_bthd)):   # default, opt-in
+        check(qh, torch.randn(2, 512, 16 * 96, generator=g, device="cuda", dtype=dtype), cos, sin, 16, 64)
+        check(kvh, torch.randn(2, 512, 16 * 128, generator=g, device="cuda", dtype=dtype),
+              torch.randn(2, 512, 32, generator=g, device="cuda", dtype=dtype), cos, sin, 16, 64)
     for rows in (8192, 1000):          # a new row count, as the routed experts see every step
         x = torch.randn(rows, 1024, generator=g, device="cuda", dtype=dtype)
         w = (1 + 0.1 * torch.randn(1024, generator=g, device="cuda")).to(dtype)

@@ -143,3 +143,25 @@ def test_size_tool_prints_v3_small(capsys):
     assert main(["+exp=v3_small"]) == 0
     out = capsys.readouterr().out
     assert "total (no MTP)" in out and "2,003,142,656" in out and "activated per token" in out
+
+
+def test_the_heads_laid_out_bthd_are_the_default_heads_values():
+    """``query_heads_bthd`` / ``key_value_heads_bthd`` (opt-in, ``parallel.compile.HEADS_ENV``): the default heads'
+    values and the inputs' gradients bit for bit, FP32 and BF16, laid out ``[B,T,H,.]`` in memory (each returned
+    as its ``[B,H,T,.]`` view), so that ``MLA.core`` flattens an output laid out like them without a copy."""
+    from models.attention import key_value_heads, key_value_heads_bthd, query_heads, query_heads_bthd
+    g = torch.Generator().manual_seed(0)
+    B, T, H, N, R, V = 2, 5, 3, 4, 6, 4
+    cos, sin = torch.randn(T, R // 2, generator=g), torch.randn(T, R // 2, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        q_in = torch.randn(B, T, H * (N + R), generator=g).to(dtype)
+        kv_in, pe_in = torch.randn(B, T, H * (N + V), generator=g).to(dtype), torch.randn(B, T, R, generator=g).to(dtype)
+        runs = []
+        for qh, kvh in ((query_heads, key_value_heads), (query_heads_bthd, key_value_heads_bthd)):
+            a, b, c = (t.clone().requires_grad_() for t in (q_in, kv_in, pe_in))
+            q, (k, v) = qh(a, cos, sin, H, N), kvh(b, c, cos, sin, H, N)
+            (q.float().square().sum() + (k.float() * 3).sum() + v.float().pow(3).sum()).backward()
+            runs.append(((q, k, v), (a.grad, b.grad, c.grad)))
+        (outs, grads), (outs2, grads2) = runs
+        assert all(torch.equal(x, y) for x, y in zip(outs + grads, outs2 + grads2))
+        assert all(t.transpose(1, 2).is_contiguous() and not t.is_contiguous() for t in outs2)

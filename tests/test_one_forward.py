@@ -22,7 +22,7 @@ MODEL_FILES = ("models/layers.py", "models/attention.py", "models/moe.py", "mode
 # functions of the compiled regions, which parallel/compile.py hands to torch.compile as they are written in
 # models/ (the modules' own forwards call the same functions), never re-implements.
 ALLOWED = {"build", "expert_counts", "inverse_permutation", "gather_copies", "unsort_and_weight",
-           "unsort_rows_and_weight", "gate_weighted_sum", "span_steps",
+           "unsort_rows_and_weight", "gate_weighted_sum", "span_steps", "query_heads_bthd", "key_value_heads_bthd",
            "drive", "carrying", "rms_norm", "swiglu", "rope_heads", "query_heads", "key_value_heads", "select_experts",
            "balance_and_load", "add_rms_norm"}
 

@@ -275,11 +275,14 @@ def attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 class _FusedAttention(torch.autograd.Function):
     """``scaled_dot_product_attention`` as CUDA runs it (one kernel forward, one backward: 2.5x the forward
-    FLOPs, the scores recomputed), recorded as such; on fake tensors the values do not matter."""
+    FLOPs, the scores recomputed), recorded as such, its output laid out like the query; on fake tensors the
+    values do not matter."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, recorder):
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        if q.transpose(1, 2).is_contiguous():   # laid out like the query, as cuDNN's kernel lays it out
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v)
         ctx.causal, ctx.recorder = causal, recorder
         recorder.record("attention forward", None, (q, k, v), {}, out, attention_flops(q, k, v, causal))
