@@ -155,7 +155,8 @@ def test_the_heads_laid_out_bthd_are_the_default_heads_values():
     cos, sin = torch.randn(T, R // 2, generator=g), torch.randn(T, R // 2, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         q_in = torch.randn(B, T, H * (N + R), generator=g).to(dtype)
-        kv_in, pe_in = torch.randn(B, T, H * (N + V), generator=g).to(dtype), torch.randn(B, T, R, generator=g).to(dtype)
+        kv_in = torch.randn(B, T, H * (N + V), generator=g).to(dtype)
+        pe_in = torch.randn(B, T, R, generator=g).to(dtype)
         runs = []
         for qh, kvh in ((query_heads, key_value_heads), (query_heads_bthd, key_value_heads_bthd)):
             a, b, c = (t.clone().requires_grad_() for t in (q_in, kv_in, pe_in))
