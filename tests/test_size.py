@@ -169,4 +169,8 @@ def test_the_fused_head_s_logits_are_counted_in_their_dtype_on_cuda():
     assert cuda.total < 0.9 * 80e9 < cpu.total
     plain = compose_cfg("+exp=v3_small", "train.micro_batch_size=8", "train.head_loss=plain")
     assert plan_memory(plain, recipe="trainer").worst.total == cpu.total
+    # train.head_loss=inplace: the logits' buffer (holding their gradient), without fused's FP32 log-sum-exp
+    inplace = compose_cfg("+exp=v3_small", "train.micro_batch_size=8", "train.head_loss=inplace")
+    assert cuda.act_peak - plan_memory(inplace, recipe="trainer", device="cuda").worst.act_peak == \
+        pytest.approx(heads * tokens * 4)
     assert plan_memory(cfg, recipe="v3").worst.act_peak == plan_memory(cfg, recipe="v3", device="cpu").worst.act_peak

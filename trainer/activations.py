@@ -104,7 +104,8 @@ def v3_recipe_bytes(m: ModelConfig) -> dict:
 # Bytes per token that one head's cross-entropy keeps for the backward, by what computes it (vocabulary V, the
 # activation dtype's a bytes): ``F.cross_entropy`` of the FP32 logits keeps the log-probabilities; the fused kernels
 # (``kernels/cross_entropy.py``, ``train.head_loss=fused`` on CUDA) keep the logits in their dtype and one FP32
-# log-sum-exp. ``train.head_loss=chunked`` keeps the head's input and weight gradients instead, counted as plain.
+# log-sum-exp; ``inplace`` the logits' buffer only (their gradient, written over them in the forward).
+# ``train.head_loss=chunked`` keeps the head's input and weight gradients instead, counted as plain.
 HEAD_KEEPS = {"plain": lambda V, a: V * 4, "fused": lambda V, a: V * a + 4, "inplace": lambda V, a: V * a}
 
 

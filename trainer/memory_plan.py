@@ -230,7 +230,8 @@ def plan_memory(cfg: Config, world_size: int | None = None, recipe: str = "v3", 
     tokens = t.micro_batch_size * cfg.data.seq_len
     deferred = schedule is not None and schedule.splits_backward   # the runner's wgrad_queue rule
     expert_dw = 3 * m.n_routed_experts // p.ep * m.moe_inter_dim * m.dim * a   # dW1, dW2, dW3 of the local experts
-    head_loss = "fused" if recipe == "trainer" and t.head_loss == "fused" and device == "cuda" else "plain"
+    kept = recipe == "trainer" and t.head_loss in ("fused", "inplace") and device == "cuda"   # the Triton heads' keeps
+    head_loss = t.head_loss if kept else "plain"
     acts = stage_activations(m, split, a, tokens, recompute, cfg.data.seq_len, math_attention, deferred, expert_dw,
                              fp8, head_loss)
     # held from B to W where the schedule splits them; tools.plan's models of V3's recipe leave it out
