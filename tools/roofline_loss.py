@@ -61,7 +61,7 @@ class _CrossEntropyLaunch:
         return self
 
     def __call__(self, logits, labels, loss, *args, **kwargs):
-        written = (logits, loss) if self.in_place else (loss, loss)   # the log-sum-exp: one more row of FP32
+        written = (logits, loss) if self.in_place else (loss, args[0])   # args[0]: the scale, or the log-sum-exp
         self.recorder.record("cross-entropy forward", None, (logits, labels), {}, written, 0.0)
 
 
