@@ -154,10 +154,7 @@ def self_check(device: torch.device) -> float:
     small ragged problem (BF16 gradient, clip coefficient < 1, weight decay, FP32 and BF16 moments, BF16
     ``out``; BF16 moments' errors scaled by ``CHECK_TOL / BF16_MOMENT_TOL``); NaN when ``out`` is not the new
     master rounded to BF16 bit for bit."""
-    g = torch.Generator().manual_seed(0)
-    n = 3 * BLOCK + 77
-    start = torch.randn(n, generator=g).to(device)
-    grads = [torch.randn(n, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
+    n, start, grads = _check_problem(device)
     errs = []
     for moments in (torch.float32, torch.bfloat16):
         runs = []
@@ -181,10 +178,7 @@ def split_self_check(device: torch.device) -> float:
     """Worst relative error of the joined master and the moments after two steps of the kernel vs
     ``reference_adamw_``, both on a split master (BF16 moments, scaled as in ``self_check``); NaN when the kernel's
     halves are not the split of their own join bit for bit."""
-    g = torch.Generator().manual_seed(0)
-    n = 3 * BLOCK + 77
-    start = torch.randn(n, generator=g).to(device)
-    grads = [torch.randn(n, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
+    n, start, grads = _check_problem(device)
     runs = []
     for fn in (reference_adamw_, triton_adamw_):
         out, low = split_master(start)
@@ -199,6 +193,14 @@ def split_self_check(device: torch.device) -> float:
         return float("nan")
     scale = CHECK_TOL / BF16_MOMENT_TOL
     return _worst([selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)])
+
+
+def _check_problem(device: torch.device) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """The self-checks' problem: a ragged length, an FP32 start and two BF16 gradients, seeded."""
+    g = torch.Generator().manual_seed(0)
+    n = 3 * BLOCK + 77
+    start = torch.randn(n, generator=g).to(device)
+    return n, start, [torch.randn(n, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
 
 
 def _worst(errs: list[float]) -> float:

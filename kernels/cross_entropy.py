@@ -58,15 +58,13 @@ def triton_cross_entropy(logits_NV: torch.Tensor, labels_N: torch.Tensor, block_
 def head_cross_entropy(x_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``x @ w.T`` against ``labels``: the head's GEMM and ``_HeadCrossEntropy`` on a CUDA
     device where the kernels passed their self-check, else ``F.linear`` and ``reference_cross_entropy``."""
-    if x_ND.device.type == "cuda" and selfcheck.verified("head_cross_entropy", x_ND.device,
-                                                         lambda: head_self_check(x_ND.device), CHECK_TOL,
-                                                         "head cross-entropy", "F.linear and F.cross_entropy"):
+    if x_ND.device.type == "cuda" and _head_verified(x_ND.device):
         return triton_head_cross_entropy(x_ND, w_VD, labels_N)
     return reference_cross_entropy(F.linear(x_ND, w_VD), labels_N)
 
 
 def triton_head_cross_entropy(x_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor,
-                                block_v: int | None = None) -> torch.Tensor:
+                              block_v: int | None = None) -> torch.Tensor:
     """The gradient-in-the-forward path, unconditionally (tests; the interpreter on CPU)."""
     return _HeadCrossEntropy.apply(x_ND, w_VD, labels_N, block_v)
 
@@ -74,6 +72,11 @@ def triton_head_cross_entropy(x_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: 
 def _verified(device: torch.device) -> bool:
     return selfcheck.verified("cross_entropy", device, lambda: self_check(device), CHECK_TOL, "cross-entropy",
                               "F.cross_entropy")
+
+
+def _head_verified(device: torch.device) -> bool:
+    return selfcheck.verified("head_cross_entropy", device, lambda: head_self_check(device), CHECK_TOL,
+                              "head cross-entropy", "F.linear and F.cross_entropy")
 
 
 def self_check(device: torch.device) -> float:
