@@ -187,7 +187,7 @@ class _GatherCopies(torch.autograd.Function):
     def forward(ctx, x_TD: torch.Tensor, order_R: torch.Tensor, K: int) -> torch.Tensor:
         ctx.save_for_backward(order_R)
         ctx.K = K
-        return x_TD[order_R // K]
+        return index_copies(x_TD, order_R, K)
 
     @staticmethod
     def backward(ctx, g_RD: torch.Tensor):
