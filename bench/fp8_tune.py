@@ -2,8 +2,9 @@
 
     python -m bench.fp8_tune --out kernels/tuning/$(slug).json [--deadline-s 200] [--kernels gemm,grouped_gemm]
 
-For each kernel (``gemm``, ``grouped_gemm``, ``grouped_wgrad``) and each config of ``CONFIGS`` (tile shape,
-warps, pipeline depth; TMA loads, no warp specialisation), every case of ``CASES`` (the routed-expert GEMMs of
+For each kernel (``gemm``, ``grouped_gemm``, ``grouped_wgrad``) and each of its ``candidates`` (tile shape,
+warps, pipeline depth, and for the grouped Fprop/Dgrad the program order; TMA loads, no warp specialisation),
+every case of ``CASES`` (the routed-expert GEMMs of
 ``v3_small`` and of DeepSeek-V3 at 32 local experts, Fprop and Dgrad; two dense shapes) is run once against
 ``kernels.reference`` (relative error <= ``selfcheck.GEMM_TOL``, else the config is out) and timed
 (``triton.testing.do_bench``, median, L2 flushed). A config's score is the geometric mean over the kernel's
@@ -27,25 +28,36 @@ from bench.common import print_table, require_cuda
 CONFIGS = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 5), (128, 128, 4, 4), (64, 128, 4, 4),
            (64, 128, 4, 6), (64, 256, 4, 4), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
            (128, 64, 4, 4), (64, 64, 4, 6)]
+# The grouped Fprop/Dgrad's program orders beside its built-in one (``GROUP_M`` 0, ``gemm.tile_order``): GROUP_M
+# row tiles at a time over every column tile, for the tiles most likely to win.
+GROUPED_ORDERS = [c + (g,) for c in [(64, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3)] for g in (8, 16)]
 # kernel -> cases: (label, shape); grouped: (E, R, N, K, pass), dense: (M, N, K)
 CASES = {
-    "grouped_gemm": [("v3_small up fprop", (64, 65536, 768, 1024, "fprop")),
-                     ("v3_small down fprop", (64, 65536, 1024, 768, "fprop")),
-                     ("v3_small up dgrad", (64, 65536, 768, 1024, "dgrad")),
-                     ("V3 E32 up fprop", (32, 32768, 2048, 7168, "fprop")),
-                     ("V3 E32 down fprop", (32, 32768, 7168, 2048, "fprop")),
-                     ("V3 E32 up dgrad", (32, 32768, 2048, 7168, "dgrad"))],
-    "grouped_wgrad": [("v3_small up", (64, 65536, 768, 1024, "wgrad")),
-                      ("v3_small down", (64, 65536, 1024, 768, "wgrad")),
-                      ("V3 E32 up", (32, 32768, 2048, 7168, "wgrad")),
-                      ("V3 E32 down", (32, 32768, 7168, 2048, "wgrad"))],
+    "grouped_gemm": [("v3_small w13 fprop", (64, 65536, 1536, 1024, "fprop")),
+                     ("v3_small w2 fprop", (64, 65536, 1024, 768, "fprop")),
+                     ("v3_small w13 dgrad", (64, 65536, 1536, 1024, "dgrad")),
+                     ("V3 E32 w13 fprop", (32, 32768, 4096, 7168, "fprop")),
+                     ("V3 E32 w2 fprop", (32, 32768, 7168, 2048, "fprop")),
+                     ("V3 E32 w13 dgrad", (32, 32768, 4096, 7168, "dgrad"))],
+    "grouped_wgrad": [("v3_small w13", (64, 65536, 1536, 1024, "wgrad")),
+                      ("v3_small w2", (64, 65536, 1024, 768, "wgrad")),
+                      ("V3 E32 w13", (32, 32768, 4096, 7168, "wgrad")),
+                      ("V3 E32 w2", (32, 32768, 7168, 2048, "wgrad"))],
     "gemm": [("v3_small 8192x4096x1024", (8192, 4096, 1024)), ("v3_small 8192x1024x4096", (8192, 1024, 4096)),
              ("16384x7168x7168", (16384, 7168, 7168))],
 }
 
 
+def candidates(kernel: str) -> list[tuple]:
+    """The configs timed for ``kernel``, the built-in one first: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``,
+    or with ``GROUP_M`` fifth (``GROUPED_ORDERS``, next: the deadline cuts the list's tail)."""
+    return [CONFIGS[0], *GROUPED_ORDERS, *CONFIGS[1:]] if kernel == "grouped_gemm" else CONFIGS
+
+
 def config_dict(kernel: str, c: tuple) -> dict:
     cfg = {"BLOCK_M": c[0], "BLOCK_N": c[1], "num_warps": c[2], "num_stages": c[3]}
+    if len(c) > 4:
+        return cfg | {"GROUP_M": c[4]}
     return cfg | ({"GROUP_M": 8} if kernel == "gemm" else {})
 
 
@@ -89,7 +101,7 @@ def measure(kernel: str, deadline: float) -> list[dict]:
     rows = []
     for label, shape in CASES[kernel]:
         run, want, flop = build_case(kernel, shape)
-        for i, c in enumerate(CONFIGS):
+        for i, c in enumerate(candidates(kernel)):
             if i and time.monotonic() > deadline:
                 rows.append({"case": label, "config": c, "ms": None, "err": None, "why": "not run: time budget"})
                 continue
@@ -111,16 +123,16 @@ def measure(kernel: str, deadline: float) -> list[dict]:
     return rows
 
 
-def best(rows: list[dict]) -> tuple[tuple, dict[tuple, float]]:
-    """(best config, {config: score}) where score = geometric mean over cases of built-in ms / config ms;
-    only configs measured on every case."""
+def best(rows: list[dict], configs: list[tuple]) -> tuple[tuple, dict[tuple, float]]:
+    """(best config, {config: score}) where score = geometric mean over cases of built-in (``configs[0]``) ms /
+    config ms; only configs measured on every case."""
     cases = sorted({r["case"] for r in rows})
     ms = {(r["case"], r["config"]): r["ms"] for r in rows}
     scores = {}
-    for c in CONFIGS:
-        if all(ms.get((case, c)) and ms.get((case, CONFIGS[0])) for case in cases):
-            scores[c] = math.exp(sum(math.log(ms[(case, CONFIGS[0])] / ms[(case, c)]) for case in cases) / len(cases))
-    return (max(scores, key=scores.get) if scores else CONFIGS[0]), scores
+    for c in configs:
+        if all(ms.get((case, c)) and ms.get((case, configs[0])) for case in cases):
+            scores[c] = math.exp(sum(math.log(ms[(case, configs[0])] / ms[(case, c)]) for case in cases) / len(cases))
+    return (max(scores, key=scores.get) if scores else configs[0]), scores
 
 
 def main() -> None:
@@ -144,7 +156,7 @@ def main() -> None:
     for i, kernel in enumerate(kinds):
         share = t0 + (args.deadline_s * (i + 1) / len(kinds))     # each kernel its share of the time
         rows = measure(kernel, share)
-        choice, scores = best(rows)
+        choice, scores = best(rows, candidates(kernel))
         table["configs"][kernel] = config_dict(kernel, choice)
         table["scores"][kernel] = {"x".join(map(str, c)): round(s, 3) for c, s in scores.items()}
         table["measured"][kernel] = [{**r, "config": "x".join(map(str, r["config"])),

@@ -65,19 +65,30 @@ def round_output(acc, c_ptr):
 
 
 @triton.jit
+def tile_order(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """The output tile ``(pid_m, pid_n)`` of program ``pid`` in a ``grid_m × grid_n`` grid of tiles. ``GROUP_M``
+    row tiles at a time run over every column tile, column by column: programs that run together share their A
+    rows and B columns in L2. ``GROUP_M == 0``: one group of all rows (every row tile of a column tile, then the
+    next column tile)."""
+    if GROUP_M == 0:
+        pid_m = pid % grid_m
+        pid_n = pid // grid_m
+    else:
+        width = GROUP_M * grid_n
+        first_m = (pid // width) * GROUP_M
+        group_size = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % group_size
+        pid_n = (pid % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K,
                  stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                  stride_sam, stride_sak, stride_sbn, stride_sbk,
                  SB_GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                  TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # Grouped program order (GROUP_M row tiles share their B tiles in L2).
-    pid = tl.program_id(0)
-    grid_m, grid_n = (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_n = (pid % width) // group_size
+    pid_m, pid_n = tile_order(tl.program_id(0), (M + BLOCK_M - 1) // BLOCK_M, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M      # wrap: loads stay in bounds, store masks
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N

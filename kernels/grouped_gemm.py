@@ -4,14 +4,18 @@ Tokens arrive sorted by expert: rows ``[off_e, off_{e+1})`` of the activation be
 (``tokens_per_expert [E]``, empty experts allowed, no padding). E4M3 operands, FP32 scales, FP32
 promotion every 128 of K exactly as in ``gemm.py``, with the same two load paths (constexpr ``TMA``:
 in-kernel tensor descriptors when ``tma_ok``, masked pointer loads otherwise) and the same launch variants
-(``gemm.VARIANTS`` without ``GROUP_M``; the default is the first that passed its self-check on the device).
+(``gemm.VARIANTS``; the default is the first that passed its self-check on the device).
 
 - ``grouped_gemm(a [R,K], sa [R,⌈K/128⌉], b [E,N,K], sb [E,⌈N/128⌉,⌈K/128⌉], tpe)`` -> ``[R,N]``:
   Fprop (b = W_e) and Dgrad (b = W_eᵀ, from ``quant_weight(transpose=True)``; scales ``s.mT``). Activations
   1×128, weights 128×128. Row tiles of BLOCK_M restart at each expert's first row, so a program never
   mixes experts; ``⌈R/BLOCK_M⌉ + E - 1`` row tiles are launched (an upper bound, no host sync) and
-  the unused ones skip the K loop and store nothing. With TMA a tile's A box may run past its expert
-  into the next one's rows: those output rows are never stored (rows are independent in Fprop/Dgrad).
+  the unused ones skip the K loop and store nothing. Program order: ``gemm.tile_order`` over (row tile, column
+  tile), ``GROUP_M`` row tiles at a time (each expert's tiles are consecutive, so a group mostly shares one
+  expert's weight columns in L2, and its A rows are read once instead of once per column tile); ``GROUP_M`` 0
+  (the built-in) runs every row tile of a column tile before the next column tile. With TMA a tile's A box may
+  run past its expert into the next one's rows: those output rows are never stored (rows are independent in
+  Fprop/Dgrad).
 - ``grouped_wgrad(aT [N,n·128], sa [N,n], bT [K,n·128], sb [K,n], tpe)`` -> ``[E,N,K]`` FP32: per expert,
   ``dW_e = dy_eᵀ·x_e`` contracting over the expert's own tokens, with both operands from
   ``quant_act_t(·, tpe)``: 128×1 tiles that restart at each expert, in *tile space* (tile t in columns
@@ -26,7 +30,8 @@ import triton
 import triton.language as tl
 
 from . import selfcheck
-from .gemm import _rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output, tma_ok
+from .gemm import (_rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output,
+                   tile_order, tma_ok)
 from .reference import TILE, _b_group, cdiv, segments, tile_table
 
 _TILE = tl.constexpr(TILE)
@@ -34,11 +39,11 @@ _TILE = tl.constexpr(TILE)
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, row_start_ptr, row_end_ptr, expert_ptr, R, N, K,
-                         stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         row_tiles, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_sam, stride_sak, stride_sbe, stride_sbn, stride_sbk,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                          WARP_SPECIALIZE: tl.constexpr):
-    t = tl.program_id(0)
+    t, pid_n = tile_order(tl.program_id(0), row_tiles, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
     rs = tl.load(row_start_ptr + t)
     re = tl.load(row_end_ptr + t)
     # Unused tiles (rs == re) run no K steps and store nothing. Not an early `return`: a branch out of the
@@ -47,7 +52,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, row_start_ptr, row
     e = tl.load(expert_ptr + t).to(tl.int64)
     offs_m = rs + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_m, re - 1)                              # clamp: loads in bounds, store masks
-    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, _TILE)
     sa_ptrs = sa_ptr + rows * stride_sam
     sb_ptrs = sb_ptr + e * stride_sbe + (offs_n // _TILE) * stride_sbn
@@ -61,7 +66,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, row_start_ptr, row
     for kt in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
         if TMA:
             a = a_desc.load([rs, kt * _TILE])
-            b = b_desc.load([tl.program_id(1) * BLOCK_N, kt * _TILE]).T
+            b = b_desc.load([pid_n * BLOCK_N, kt * _TILE]).T
         else:
             k_left = K - kt * _TILE
             a = tl.load(a_ptrs + kt * _TILE * stride_ak, mask=offs_k[None, :] < k_left, other=0.0)
@@ -69,7 +74,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, row_start_ptr, row
         sa = tl.load(sa_ptrs + kt * stride_sak)
         sb = tl.load(sb_ptrs + kt * stride_sbk)
         acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < re) & (offs_n[None, :] < N)
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, round_output(acc, c_ptr), mask=mask)
 
@@ -112,10 +117,14 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, tile_start_ptr, t
              round_output(acc, c_ptr), mask=mask)
 
 
-def _config(rows: int, cols: int, tma: bool, config: dict | None) -> dict:
-    """``gemm.pick_config`` without GROUP_M; the interpreter gets 128-row tiles (one expert tile each)."""
+def _config(rows: int, cols: int, tma: bool, config: dict | None, grouped_order: bool) -> dict:
+    """``gemm.pick_config`` with ``GROUP_M`` as ``config`` says, 0 (every row tile of a column tile first) if it
+    says nothing, when ``grouped_order``; without it otherwise. The interpreter gets 128-row tiles (one expert
+    tile each)."""
     cfg = pick_config(rows, cols, tma, config)
-    cfg.pop("GROUP_M", None)
+    cfg.pop("GROUP_M")
+    if grouped_order:
+        cfg["GROUP_M"] = (config or {}).get("GROUP_M", 0)
     return cfg
 
 
@@ -137,12 +146,13 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
     tma = tma_ok(a, b)
     if config is None:
         config = default_variant("grouped_gemm", tma, a.device, self_check_gemm)
-    cfg = _config(TILE, N, tma, config)
+    cfg = _config(TILE, N, tma, config, grouped_order=True)
     _set_scratch_allocator(cfg)
     tiles = tile_table(tokens_per_expert, R, cfg["BLOCK_M"], a.device)
-    grid = (tiles["row_start"].numel(), cdiv(N, cfg["BLOCK_N"]))
+    row_tiles = tiles["row_start"].numel()
+    grid = (row_tiles * cdiv(N, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
-        a, b, c, sa, sb, tiles["row_start"], tiles["row_end"], tiles["expert"], R, N, K,
+        a, b, c, sa, sb, tiles["row_start"], tiles["row_end"], tiles["expert"], R, N, K, row_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2), **cfg)
     return c
@@ -167,7 +177,7 @@ def grouped_wgrad(aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torc
     tma = tma_ok(aT, bT)
     if config is None:
         config = default_variant("grouped_wgrad", tma, aT.device, self_check_wgrad)
-    cfg = _config(N, K, tma, config)
+    cfg = _config(N, K, tma, config, grouped_order=False)
     _set_scratch_allocator(cfg)
     tiles = (segments(tokens_per_expert, 0, aT.device) + TILE - 1) // TILE
     tile_end = tiles.cumsum(0).to(torch.int32)

@@ -119,6 +119,9 @@ def launches() -> list[Launch]:
         for kernel, cfg in _tuned_h100().items():      # the H100's tuning table (kernels/tuning/), as gemm runs it
             label, fn, args = variants[kernel]
             call(f"{label}, H100 tuned", fn, *args, config={**gemm.VARIANTS["tma"], **cfg})
+        label, fn, args = variants["grouped_gemm"]      # the grouped program order the tuner times (GROUP_M row tiles)
+        call(f"{label}, H100 tuned, GROUP_M 8", fn, *args,
+             config={**gemm.VARIANTS["tma"], **_tuned_h100().get("grouped_gemm", {}), "GROUP_M": 8})
         for label, fn, args in variants.values():      # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
             call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))

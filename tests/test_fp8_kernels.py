@@ -6,6 +6,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import kernels  # noqa: E402
 
 kernels.configure()   # before the kernel modules are imported: the interpreter when there is no CUDA
@@ -332,6 +335,42 @@ def test_grouped_wgrad_matches_reference(case, dims, path):
     if R:                                                        # vs the per-expert products of the tokens
         exact = torch.stack([d.t() @ xe for d, xe in zip(dy.split(COUNTS[case]), x.split(COUNTS[case]))])
         assert ((out - exact).norm() / exact.norm()) < 0.05
+
+
+@triton.jit
+def _tile_order_kernel(out_ptr, grid_m, grid_n, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = tgemm.tile_order(pid, grid_m, grid_n, GROUP_M)
+    tl.store(out_ptr + 2 * pid, pid_m)
+    tl.store(out_ptr + 2 * pid + 1, pid_n)
+
+
+@pytest.mark.parametrize("group_m", [0, 1, 3, 4, 16])
+def test_tile_order_visits_every_tile_once_in_groups(group_m):
+    grid_m, grid_n = 7, 5
+    out = torch.full((grid_m * grid_n, 2), -1, dtype=torch.int32, device=DEV)
+    _tile_order_kernel[(grid_m * grid_n,)](out, grid_m, grid_n, GROUP_M=group_m)
+    order = [tuple(t) for t in out.tolist()]
+    assert sorted(order) == [(m, n) for m in range(grid_m) for n in range(grid_n)]
+    if group_m == 0:                                       # every row tile of a column tile, then the next
+        assert order == [(m, n) for n in range(grid_n) for m in range(grid_m)]
+    else:                                                  # group_m rows over every column, column by column
+        want = [(m, n) for first in range(0, grid_m, group_m)
+                for n in range(grid_n) for m in range(first, min(first + group_m, grid_m))]
+        assert order == want
+
+
+@pytest.mark.parametrize("group_m", [0, 1, 3, 16])
+def test_grouped_gemm_program_order_gives_the_same_product(group_m):
+    """Several row and column tiles per expert (64-wide column tiles), in each program order: every output tile
+    written once, equal to the reference."""
+    counts = COUNTS["ragged"]
+    tpe = torch.tensor(counts, device=DEV)
+    (E, R), (D, F) = (tpe.numel(), sum(counts)), EXPERT_DIMS["aligned"]
+    wq, ws, wq_t = ref.quant_weight(rand(E, F, D, seed=11), transpose=True)
+    for a, b, sb in [(ref.quant_act(rand(R, D, seed=12)), wq, ws), (ref.quant_act(rand(R, F, seed=13)), wq_t, ws.mT)]:
+        out = tgrouped.grouped_gemm(*a, b, sb, tpe, torch.float32, config={"BLOCK_N": 64, "GROUP_M": group_m})
+        assert_gemm_close(out, ref.grouped_gemm(*a, b, sb, tpe, torch.float32))
 
 
 # ------------------------------------------------------------------------------- 128-element promotion

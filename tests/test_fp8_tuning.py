@@ -88,3 +88,20 @@ def test_no_tuned_config_without_tma(monkeypatch):
     """Operands TMA cannot read take the pointer path: the tuned (TMA) config is not tried."""
     monkeypatch.setattr(tuning, "tuned", lambda kernel, device: dict(TUNED))
     assert gemm.default_variant("gemm", False, torch.device("cpu"), lambda v, device: 0.0) == gemm.VARIANTS["pointers"]
+
+
+def test_the_tuner_times_the_grouped_orders_and_keeps_the_best_config_measured_everywhere():
+    from bench import fp8_tune
+    grouped = fp8_tune.candidates("grouped_gemm")
+    assert grouped[0] == fp8_tune.CONFIGS[0] and set(fp8_tune.GROUPED_ORDERS) < set(grouped)
+    assert fp8_tune.config_dict("grouped_gemm", grouped[0]) == {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
+                                                                "num_stages": 4}            # GROUP_M 0: built-in
+    assert fp8_tune.config_dict("grouped_gemm", (64, 128, 4, 4, 16))["GROUP_M"] == 16
+    assert fp8_tune.config_dict("gemm", fp8_tune.CONFIGS[0])["GROUP_M"] == 8
+    assert "GROUP_M" not in fp8_tune.config_dict("grouped_wgrad", fp8_tune.CONFIGS[0])
+    base, fast, faster_once = grouped[0], grouped[1], grouped[2]
+    rows = [{"case": case, "config": c, "ms": ms} for case, c, ms in
+            [("a", base, 2.0), ("b", base, 4.0), ("a", fast, 1.0), ("b", fast, 2.0), ("a", faster_once, 0.5),
+             ("b", faster_once, None)]]                   # wrong or not run on case b: out
+    choice, scores = fp8_tune.best(rows, grouped)
+    assert choice == fast and scores == {base: 1.0, fast: 2.0}
