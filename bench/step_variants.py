@@ -11,7 +11,8 @@ against eager, M G with the FFN norms' compiled regions taking the residual add 
 (``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured), N G with ``train.head_loss=inplace``, O G with
 ``optim.master=split``, P G with the dispatch's copies gathered back per token (``DSV3_GATHER_COPIES=1``), Q G with
 the combine's un-sort by a gathered backward (``DSV3_UNSORT_GATHER=1``), R G with the attention heads laid out
-``[B,T,H,.]`` (``DSV3_HEADS_BTHD=1``; all opt-in until measured). All but N with
+``[B,T,H,.]`` (``DSV3_HEADS_BTHD=1``), S H with the Wgrad GEMMs writing BF16 (``DSV3_FP8_WGRAD_BF16=1``; all
+opt-in until measured). All but N with
 the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose host
 time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
@@ -55,16 +56,20 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
           "auto", True),
     "R": ("G with the attention heads laid out [B,T,H,.] (DSV3_HEADS_BTHD=1)", "bf16", "auto", "auto", 4, "auto",
           True),
+    "S": ("H with the Wgrad GEMMs writing the BF16 weights' gradients (DSV3_FP8_WGRAD_BF16=1)", "fp8", "auto", "auto",
+          4, "auto", True),
 }
 HEAD_LOSS = {"N": "inplace"}   # train.head_loss of a variant; the others run the trainer's default, fused
 MASTER = {"O": "split"}        # optim.master of a variant; the others: fp32
 # Opt-in changes waiting for a GPU's verdict against G (``--variants pending``: G and these, in one process);
 # a change that a GPU timed faster and right becomes the default, and its variant leaves this list.
 PENDING = ("M", "N", "O", "P", "Q", "R")
+# The same for the FP8 step, against H (``--variants pending-fp8``: H and these).
+PENDING_FP8 = ("S",)
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
 ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
        "M": {"DSV3_COMPILE_RESIDUAL": "1"}, "P": {"DSV3_GATHER_COPIES": "1"}, "Q": {"DSV3_UNSORT_GATHER": "1"},
-       "R": {"DSV3_HEADS_BTHD": "1"}}
+       "R": {"DSV3_HEADS_BTHD": "1"}, "S": {"DSV3_FP8_WGRAD_BF16": "1"}}
 
 
 @contextlib.contextmanager
@@ -108,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.step_variants", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--variants", default="A,C,D,E",
-                    help="comma-separated VARIANTS keys, or 'pending': G and every PENDING opt-in")
+                    help="comma-separated VARIANTS keys, or 'pending': G and every PENDING opt-in, or "
+                         "'pending-fp8': H and every PENDING_FP8 opt-in")
     ap.add_argument("--deadline-s", type=float, default=300.0, help="start no variant after this many seconds")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also cProfile one step per variant and print its N functions with the most own time")
     args = ap.parse_args(argv)
-    keys = ["G", *PENDING] if args.variants == "pending" else args.variants.split(",")
+    pending = {"pending": ["G", *PENDING], "pending-fp8": ["H", *PENDING_FP8]}
+    keys = pending.get(args.variants) or args.variants.split(",")
     unknown = [k for k in keys if k not in VARIANTS]
     if unknown:
         print(f"error: --variants: {', '.join(unknown)} not in {', '.join(VARIANTS)} (or 'pending')", file=sys.stderr)

@@ -29,7 +29,6 @@ On CUDA the kernel runs once it passed its self-check (``selfcheck.py``); caller
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -171,7 +170,7 @@ def self_check(device: torch.device) -> float:
             return float("nan")
         scale = 1.0 if moments == torch.float32 else CHECK_TOL / BF16_MOMENT_TOL
         errs += [selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)]
-    return _worst(errs)
+    return selfcheck.worst(errs)
 
 
 def split_self_check(device: torch.device) -> float:
@@ -192,7 +191,8 @@ def split_self_check(device: torch.device) -> float:
     if selfcheck.mismatch(gout, high) or selfcheck.mismatch(glow, low):
         return float("nan")
     scale = CHECK_TOL / BF16_MOMENT_TOL
-    return _worst([selfcheck.rel_err(got, want)] + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)])
+    return selfcheck.worst([selfcheck.rel_err(got, want)]
+                           + [selfcheck.rel_err(a, b) * scale for a, b in zip(gmom, wmom)])
 
 
 def _check_problem(device: torch.device) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
@@ -201,11 +201,6 @@ def _check_problem(device: torch.device) -> tuple[int, torch.Tensor, list[torch.
     n = 3 * BLOCK + 77
     start = torch.randn(n, generator=g).to(device)
     return n, start, [torch.randn(n, generator=g).to(device=device, dtype=torch.bfloat16) for _ in range(2)]
-
-
-def _worst(errs: list[float]) -> float:
-    """The largest error; NaN if any is (``max`` would pass over a NaN that is not first)."""
-    return math.nan if any(math.isnan(e) for e in errs) else max(errs)
 
 
 def _kernels():

@@ -205,8 +205,11 @@ def self_check_gemm(variant: dict, device: torch.device) -> float:
 
 
 def self_check_wgrad(variant: dict, device: torch.device) -> float:
-    """Relative error of ``grouped_wgrad`` with ``variant`` vs the reference on a small ragged problem."""
+    """Worst relative error of ``grouped_wgrad`` with ``variant`` vs the reference on a small ragged problem, FP32
+    out and BF16 out (``parallel.fp8.WGRAD_BF16_ENV``)."""
     from . import reference as ref
     tpe = torch.tensor(CHECK_COUNTS, device=device)
     (a, sa), (b, sb) = (ref.quant_act_t(_rand(sum(CHECK_COUNTS), n, seed=n, device=device), tpe) for n in (200, 272))
-    return selfcheck.rel_err(grouped_wgrad(a, sa, b, sb, tpe, config=variant), ref.grouped_wgrad(a, sa, b, sb, tpe))
+    return selfcheck.worst([selfcheck.rel_err(grouped_wgrad(a, sa, b, sb, tpe, dtype, config=variant),
+                                              ref.grouped_wgrad(a, sa, b, sb, tpe, dtype))
+                            for dtype in (torch.float32, torch.bfloat16)])

@@ -109,6 +109,7 @@ def launches() -> list[Launch]:
         call("grouped dgrad", grouped_gemm.grouped_gemm, dyq, dys, wq_t, ws.mT, tpe, torch.bfloat16)
         dyt = call("experts wgrad", quant.quant_act_t, meta(R, F), tpe)
         call("grouped wgrad", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32)
+        call("grouped wgrad, BF16 out (DSV3_FP8_WGRAD_BF16)", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.bfloat16)
         call("grouped fprop, pointer path", grouped_gemm.grouped_gemm, xq, xs, wq, ws, tpe, torch.bfloat16,
              config=pointers)
         call("grouped wgrad, pointer path", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,

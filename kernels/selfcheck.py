@@ -76,6 +76,11 @@ def forget() -> None:
     _VERDICTS.clear()
 
 
+def worst(errs: list[float]) -> float:
+    """The largest error; NaN if any is (``max`` passes over a NaN that is not first: ``max(0.1, nan)`` is 0.1)."""
+    return math.nan if any(math.isnan(e) for e in errs) else max(errs)
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """``‖got − want‖ / ‖want‖`` in FP64; NaN when ``got`` holds a non-finite value (never passes)."""
     got, want = got.double(), want.double()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 
 import torch
@@ -39,6 +40,10 @@ from kernels.reference import dequant
 from models.layers import SwiGLU, swiglu
 from models.moe import GroupedExperts
 
+# "1": the Wgrad GEMMs write a BF16 weight's gradient themselves, instead of FP32 and a cast to BF16 after them.
+# The same bits (the kernels round their FP32 accumulator to nearest even, as the cast does); opt-in until a GPU
+# has timed it (bench.step_variants S against H).
+WGRAD_BF16_ENV = "DSV3_FP8_WGRAD_BF16"
 LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wqkv_a|wq_b|wkv_b|wo)|ffn\.(w13|w2)|shared_experts\.(w13|w2))$")
 EXPERT_NAMES = re.compile(r"(^|\.)ffn\.experts$")
 
@@ -101,9 +106,11 @@ def _wgrad(queue, param: torch.Tensor, gemm, *args) -> torch.Tensor | None:
 
 
 def _wgrad_gemm(gemm, dtype: torch.dtype, *args) -> torch.Tensor:
-    """FP32 out, cast to the weight's dtype. The GEMMs' own BF16 output is the same bits (tests/test_fp8_kernels.py)
-    and would save the cast's pass, but no GPU has run the grouped Wgrad with a BF16 output yet."""
+    """The Wgrad GEMM in the weight's dtype: FP32 out and a cast, or with ``WGRAD_BF16_ENV`` a BF16 weight's
+    gradient written by the GEMM itself (the same bits: tests/test_fp8_kernels.py, tests/test_fp8_linear.py)."""
     with torch.autocast(args[0].device.type, enabled=False):
+        if dtype == torch.bfloat16 and os.environ.get(WGRAD_BF16_ENV) == "1":
+            return gemm(*args, torch.bfloat16)
         return gemm(*args, torch.float32).to(dtype)
 
 

@@ -3,6 +3,7 @@ after its self-check passed on the device, a wrong one is skipped with one warni
 verified engine per shape. On CPU the interpreter and the reference stand in; a stand-in holds torch's blockwise
 GEMM to cuBLASLt's documented scale layouts."""
 import logging
+import math
 
 import pytest
 import torch
@@ -65,6 +66,14 @@ def test_no_variant_passes_names_every_reason():
         selfcheck.first_verified("grouped_gemm", [("a", "nan"), ("b", "boom")], DEV, run)
     assert "a: relative error nan" in str(e.value) and "b: RuntimeError: PTX miscompiled" in str(e.value)
     assert "second line" not in str(e.value)
+
+
+def test_the_worst_of_several_errors_is_nan_wherever_a_nan_is():
+    """A self-check of several cases (FP32 and BF16 outputs, Fprop and Wgrad) fails if any case is NaN: Python's
+    ``max`` keeps the first of ``(0.1, nan)``."""
+    assert max(1e-4, float("nan")) == 1e-4
+    assert math.isnan(selfcheck.worst([1e-4, float("nan")])) and math.isnan(selfcheck.worst([float("nan"), 1e-4]))
+    assert selfcheck.worst([1e-4, 3e-4, 2e-4]) == 3e-4
 
 
 def test_quantiser_check_must_be_bit_exact():

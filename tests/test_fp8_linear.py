@@ -148,6 +148,29 @@ def test_deferred_wgrad_is_bit_exact_on_triton(kind):
     assert all(torch.equal(g, w) for g, w in zip(*results))
 
 
+@needs_triton
+@pytest.mark.parametrize("kind", ["linear", "experts"])
+def test_wgrad_written_in_bf16_changes_no_bit(kind, monkeypatch):
+    """``DSV3_FP8_WGRAD_BF16=1``: the Triton Wgrad GEMMs write a BF16 weight's gradient themselves (their integer
+    round to nearest even of the FP32 accumulator) instead of FP32 and torch's cast: every gradient the same bits."""
+    from parallel.fp8 import WGRAD_BF16_ENV
+    if kind == "linear":
+        module = FP8Linear.from_linear(make_linear("emulation", 192, 320)[1], "triton").to(torch.bfloat16)
+        args, dy = (torch.randn(3, 50, 320, device=DEV),), torch.randn(3, 50, 192, device=DEV)
+    else:
+        base, tpe, x, dy = make_experts([0, 40, 5, 0, 90, 1])
+        module, args = FP8GroupedExperts.from_experts(base.to(torch.bfloat16), "triton"), (x, tpe)
+    results = []
+    for env in ("0", "1"):
+        monkeypatch.setenv(WGRAD_BF16_ENV, env)
+        module.zero_grad()
+        x = args[0].to(torch.bfloat16).requires_grad_()
+        module(x, *args[1:]).backward(dy.to(torch.bfloat16))
+        results.append([x.grad] + [p.grad for p in module.parameters()])
+    assert all(g.dtype == torch.bfloat16 for g in results[1])
+    assert all(torch.equal(g, w) for g, w in zip(*results))
+
+
 # ------------------------------------------------------------------------------------------- converter
 def tiny_model():
     return models.build(model_preset("tiny"), device=DEV, seed=0)

@@ -64,7 +64,8 @@ def test_hopper_compile_gate():
     # warp group and two consumer groups with the register hand-over
     production = [r for r in gemms if "pointer" not in r["name"] and "opt-in" not in r["name"]
                   and "tuned" not in r["name"]]
-    assert len(production) == 6 and all(r["TMA"] and not r["WARP_SPECIALIZE"] for r in production)
+    assert len(production) == 7 and all(r["TMA"] and not r["WARP_SPECIALIZE"] for r in production)
+    assert any(r["name"].startswith("grouped wgrad, BF16 out") for r in production)   # the Wgrad's opt-in output
     assert not broken(reports, lambda f: "config asks" in f)
     for r in production:
         assert r["tma"] and not r["setmaxnreg"] and r["warps_total"] == r["num_warps"] == 8, r

@@ -390,10 +390,114 @@ def test_the_heads_laid_out_bthd_drop_the_attention_output_s_copy(monkeypatch):
     assert sum(s.seconds for s in bthd.stats.values()) < sum(s.seconds for s in base.stats.values())
 
 
-def test_fp8_is_refused_with_one_line(capsys):
-    assert roofline.main(["+exp=tiny", "train.precision=fp8"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: train.precision=fp8: the roofline models")
+def test_fp8_linear_by_hand():
+    """An FP8 linear (x [M,K], W [N,K], BF16) forward and backward as CUDA's auto backend runs it: each quantiser,
+    the weight's transpose and each GEMM one kernel, with its bytes and FLOPs; the Wgrad's FP32 output cast."""
+    from parallel.fp8 import fp8_linear
+    from tools.roofline_fp8 import fp8_kernels
+    rec, bf16 = Recorder(), 2
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w = torch.nn.Parameter(torch.empty(N, K, dtype=torch.bfloat16))
+        x = torch.empty(M, K, dtype=torch.bfloat16, requires_grad=True)
+        with rec, fp8_kernels(rec):
+            rec.phase = "forward"
+            y = fp8_linear(x, w)
+            rec.phase = "backward"
+            y.backward(torch.empty_like(y))
+    fwd, bwd = by_op(rec, "forward"), by_op(rec, "backward")
+    assert set(fwd) == {"fp8 quantise 1x128", "fp8 quantise 128x1", "fp8 quantise 128x128", "fp8 transpose",
+                        "fp8 gemm"} and all(s.launches == 1 for s in fwd.values())
+    scales = lambda rows, cols: F32 * rows * (cols // 128)          # noqa: E731 - FP32 scales of 128-wide tiles
+    assert fwd["fp8 quantise 1x128"].bytes == bf16 * M * K + M * K + scales(M, K)     # read x, write q and s
+    assert fwd["fp8 quantise 128x1"].bytes == bf16 * M * K + M * K + scales(K, M)     # xᵀ's tiles for Wgrad
+    assert fwd["fp8 quantise 128x128"].bytes == bf16 * N * K + N * K + F32 * (N // 128) * (K // 128)
+    assert fwd["fp8 transpose"].bytes == 2 * N * K                                      # Dgrad's K-major copy
+    assert fwd["fp8 gemm"].flops == 2 * M * N * K
+    assert fwd["fp8 gemm"].bytes == M * K + scales(M, K) + N * K + F32 * (N // 128) * (K // 128) + bf16 * M * N
+    # backward: dy quantised both ways, Dgrad (128x128 weight scales), Wgrad (per-row scales), its FP32 out cast
+    assert set(bwd) == {"fp8 quantise 1x128", "fp8 quantise 128x1", "fp8 gemm", "fp8 gemm wgrad", "aten._to_copy"}
+    assert bwd["fp8 gemm"].flops == bwd["fp8 gemm wgrad"].flops == 2 * M * N * K
+    assert bwd["fp8 gemm wgrad"].bytes == N * M + scales(N, M) + K * M + scales(K, M) + F32 * N * K
+    assert bwd["aten._to_copy"].bytes == (F32 + bf16) * N * K
+    hw = rec.hw
+    for name in ("fp8 gemm", "fp8 gemm wgrad"):
+        assert bwd[name].seconds == pytest.approx(max(bwd[name].flops / hw.rates[name],
+                                                      bwd[name].bytes / hw.bandwidth["elementwise / other"])
+                                                  + hw.launch_s)
+    q = fwd["fp8 quantise 128x1"]
+    assert q.seconds == pytest.approx(q.bytes / hw.bandwidth["fp8 quantise 128x1"] + hw.launch_s)
+
+
+def test_fp8_grouped_wgrad_contracts_over_the_tile_space():
+    """The grouped Wgrad multiplies each expert's tokens padded to whole 128-token tiles: ⌈R/128⌉ + E - 1 of
+    them, its FLOPs counted over those columns."""
+    from parallel.fp8 import fp8_grouped_linear
+    from tools.roofline_fp8 import fp8_kernels
+    E, R = 4, 1000
+    rec = Recorder()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w = torch.nn.Parameter(torch.empty(E, N, K, dtype=torch.bfloat16))
+        x = torch.empty(R, K, dtype=torch.bfloat16, requires_grad=True)
+        tpe = torch.empty(E, dtype=torch.int64)
+        with rec, fp8_kernels(rec):
+            rec.phase = "forward"
+            y = fp8_grouped_linear(x, w, tpe)
+            rec.phase = "backward"
+            y.backward(torch.empty_like(y))
+    fwd, bwd = by_op(rec, "forward"), by_op(rec, "backward")
+    assert y.shape == (R, N)
+    assert fwd["fp8 grouped gemm"].flops == bwd["fp8 grouped gemm"].flops == 2 * R * N * K
+    cols = (-(-R // 128) + E - 1) * 128
+    assert bwd["fp8 grouped wgrad"].flops == 2 * N * K * cols
+    assert bwd["aten._to_copy"].bytes == (F32 + 2) * E * N * K
+
+
+def test_v3_small_fp8_step_adds_the_measured_fp8_gap():
+    """The FP8 step costs what the BF16 one does plus its quantisers, transposes, casts and slower grouped GEMMs:
+    an H100 measured 146.9 ms against 112.3 ms for BF16 in one process (docs/log/, the BF16 residual session), with
+    code that the roofline cannot run as it was (the weights apart, which FP8 no longer takes, and the residual
+    stream in FP32); their difference, 34.6 ms, is the present code's within the 35 % of a phase."""
+    preds = {}
+    for precision in ("bf16", "fp8"):
+        rec, _ = record_step(compose(["+exp=v3_small", f"train.precision={precision}"]))
+        preds[precision] = totals(rec, "phase")
+    gap = sum(s.seconds for s in preds["fp8"].values()) - sum(s.seconds for s in preds["bf16"].values())
+    assert gap * 1e3 == pytest.approx(146.9 - 112.3, rel=0.35)
+    assert preds["fp8"]["optimizer"].seconds == pytest.approx(preds["bf16"]["optimizer"].seconds)
+    # every model GEMM is still there: FP8 ones carry the BF16 step's FLOPs (the grouped Wgrad's tile padding aside)
+    fp8_flops = preds["fp8"]["forward"].flops + preds["fp8"]["backward"].flops
+    bf16_flops = preds["bf16"]["forward"].flops + preds["bf16"]["backward"].flops
+    assert bf16_flops <= fp8_flops <= 1.02 * bf16_flops
+
+
+def test_the_wgrad_written_in_bf16_drops_the_casts(monkeypatch):
+    """``DSV3_FP8_WGRAD_BF16=1``: no FP32 weight gradient and no cast of it; the GEMMs write half the bytes."""
+    from parallel.fp8 import WGRAD_BF16_ENV
+    cfg = compose(["+exp=v3_small", "train.precision=fp8"])
+    runs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(WGRAD_BF16_ENV, env)
+        runs[env] = by_op(record_step(cfg, layers=2)[0], "backward")
+    params = sum(p.numel() for p in fake_params(cfg, layers=2, fp8=True))
+    casts = runs["0"]["aten._to_copy"].bytes - runs["1"].get("aten._to_copy", roofline.Stat()).bytes
+    assert casts == (F32 + 2) * params                      # each FP8 weight's gradient read in FP32, written in BF16
+    for op in ("fp8 gemm wgrad", "fp8 grouped wgrad"):
+        assert runs["0"][op].flops == runs["1"][op].flops
+    written = sum(runs["0"][op].bytes - runs["1"][op].bytes for op in ("fp8 gemm wgrad", "fp8 grouped wgrad"))
+    assert written == (F32 - 2) * params
+
+
+def fake_params(cfg, layers: int, fp8: bool) -> list:
+    """The parameters of ``cfg``'s model cut to ``layers`` that FP8 GEMMs multiply (on meta)."""
+    import dataclasses
+
+    import models
+    from parallel.fp8 import FP8GroupedExperts, FP8Linear, apply_fp8
+    model = models.build(dataclasses.replace(cfg.model, n_layers=layers), device="meta")
+    if fp8:
+        apply_fp8(model)
+    return [m.weight for m in model.modules() if isinstance(m, FP8Linear)] + \
+        [p for m in model.modules() if isinstance(m, FP8GroupedExperts) for p in m.parameters()]
 
 
 def test_adamw_kernel_by_hand():

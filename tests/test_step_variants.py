@@ -4,13 +4,15 @@ import os
 from bench import step_variants as sv
 from kernels.quant import FUSED_ENV, TRANSPOSE_ENV
 from parallel.compile import CHECK_ENV, GATHER_ENV, HEADS_ENV, RESIDUAL_ENV, UNSORT_ENV
+from parallel.fp8 import WGRAD_BF16_ENV
 
 
 def test_every_variant_is_complete_and_j_sets_the_fused_quantiser_only_inside(monkeypatch):
     assert all(len(v) == 7 for v in sv.VARIANTS.values()) and set(sv.ENV) <= set(sv.VARIANTS)
     assert sv.VARIANTS["J"][1:] == sv.VARIANTS["K"][1:] == sv.VARIANTS["H"][1:]
     assert sv.ENV == {"J": {FUSED_ENV: "1"}, "K": {TRANSPOSE_ENV: "0"}, "L": {CHECK_ENV: "1"}, "M": {RESIDUAL_ENV: "1"},
-                      "P": {GATHER_ENV: "1"}, "Q": {UNSORT_ENV: "1"}, "R": {HEADS_ENV: "1"}}
+                      "P": {GATHER_ENV: "1"}, "Q": {UNSORT_ENV: "1"}, "R": {HEADS_ENV: "1"},
+                      "S": {WGRAD_BF16_ENV: "1"}}
     assert sv.VARIANTS["L"][1:] == sv.VARIANTS["M"][1:] == sv.VARIANTS["G"][1:]
     monkeypatch.delenv(FUSED_ENV, raising=False)
     with sv.variant_env("J"):
@@ -25,13 +27,15 @@ def test_every_variant_is_complete_and_j_sets_the_fused_quantiser_only_inside(mo
 
 def test_pending_variants_are_g_with_one_opt_in_each(capsys):
     """``--variants pending``: G and each opt-in waiting for a GPU, each G's settings with one environment
-    variable or head loss of its own; an unknown key is refused before CUDA is asked for."""
+    variable or head loss of its own (``pending-fp8``: H's); an unknown key is refused before CUDA is asked for."""
     from parallel.head_loss import HEAD_LOSSES
     from parallel.zero import MASTERS
     assert sv.PENDING and set(sv.PENDING) <= set(sv.VARIANTS) and "G" not in sv.PENDING
-    for key in sv.PENDING:
-        assert sv.VARIANTS[key][1:] == sv.VARIANTS["G"][1:]
-        assert (key in sv.ENV) + (key in sv.HEAD_LOSS) + (key in sv.MASTER) == 1, key
+    for base, pending in (("G", sv.PENDING), ("H", sv.PENDING_FP8)):      # H: the FP8 step's opt-ins
+        for key in pending:
+            assert sv.VARIANTS[key][1:] == sv.VARIANTS[base][1:]
+            assert (key in sv.ENV) + (key in sv.HEAD_LOSS) + (key in sv.MASTER) == 1, key
+    assert not set(sv.PENDING) & set(sv.PENDING_FP8)
     assert set(sv.HEAD_LOSS.values()) <= set(HEAD_LOSSES) - {"fused"}
     assert set(sv.MASTER.values()) <= set(MASTERS) - {"fp32"}
     assert sv.main(["--variants", "G,Z"]) == 2

@@ -28,6 +28,7 @@ import collections
 import contextlib
 import dataclasses
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,8 @@ def op_class(name: str, args: tuple = (), kwargs: dict | None = None) -> str:
         return "optimizer (foreach)"
     if name.startswith("adamw kernel"):
         return "optimizer"
+    if name.startswith("fp8 "):           # tools/roofline_fp8.py: its kernel names are its classes
+        return name
     if "softmax" in name or "nll_loss" in name or name.startswith("cross-entropy"):
         return "softmax / loss"
     return "elementwise / other"
@@ -100,11 +103,15 @@ class Hardware:
     """Achieved rates of one H100 SXM (torch 2.11), per op class; ``sources`` says where each comes from."""
     name: str = "H100"
     peak_bf16: float = 989e12
-    rates: dict = field(default_factory=lambda: {"gemm": 700e12, "grouped gemm": 600e12, "attention": 300e12})
+    rates: dict = field(default_factory=lambda: {"gemm": 700e12, "grouped gemm": 600e12, "attention": 300e12,
+                                                  "fp8 gemm": 1090e12, "fp8 gemm wgrad": 860e12,
+                                                  "fp8 grouped gemm": 520e12, "fp8 grouped wgrad": 420e12})
     bandwidth: dict = field(default_factory=lambda: {"copy / cast": 2.7e12, "optimizer (foreach)": 2.7e12,
                                                       "softmax / loss": 2.7e12, "elementwise / other": 2.7e12,
                                                       "compiled elementwise": 2.7e12, "sort / top-k": 34e9,
-                                                      "accumulating index write": 0.83e12})
+                                                      "accumulating index write": 0.83e12,
+                                                      "fp8 quantise 1x128": 2.3e12, "fp8 quantise 128x1": 2.1e12,
+                                                      "fp8 quantise 128x128": 2.0e12, "fp8 transpose": 2.7e12})
     launch_s: float = 6.7e-6
     sources: tuple = ()
 
@@ -123,6 +130,15 @@ H100 = Hardware(sources=(
     "(docs/benchmarks.md, One H100): 12 BF16 index_put(accumulate=True) backward writes, "
     "indexing_backward 2.19 ms + a radix sort each, over 2.02 GB, launches apart (FP32 writes, before the residual "
     "stream was BF16 on CUDA, ran 1.65 ms for 10 of twice the bytes: this rate overprices them)",
+    "fp8 gemm 1,090 TFLOP/s, fp8 gemm wgrad 860: torch's blockwise scaled_mm (cuBLASLt), which the auto backend "
+    "runs for dense FP8 GEMMs, in the suite's gemm part (docs/log/, the tuning and fused CE session): Fprop and "
+    "Dgrad 1,030-1,148 TFLOP/s, Wgrad (1x128 x 1x128) 838-922, at M 4096-16384, N, K 2048-16384",
+    "fp8 grouped gemm 520 TFLOP/s, fp8 grouped wgrad 420: the Triton grouped kernels with the H100 tuning table, "
+    "same session: Fprop and Dgrad 463-575 TFLOP/s, Wgrad 355-500 (32,768 token copies, D 7168, F 2048, 8 or 32 "
+    "experts)",
+    "fp8 quantisers 2.3 (1x128), 2.1 (128x1, transposed), 2.0 TB/s (128x128): bytes read and written over time, "
+    "0.84-0.89, 0.74-0.80 and 0.73-0.78 of a device copy (docs/benchmarks.md, One H100, GPU suite); fp8 transpose "
+    "(the weights' Dgrad copy): copy speed, an assumption (not timed alone)",
     "launch 6.7 us: the first H100 run's profile of the 4-layer v3_small step (../shared/gpu/, "
     "profile_v3small_4layers_bf16.txt), (wall 141.3 ms - GPU kernel "
     "time 126.6 ms) / 2,191 launches; replayed from a CUDA graph (train.cuda_graph) the 12-layer step leaves "
@@ -445,17 +461,19 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
     from parallel.compile import apply_compile
     from parallel.compile import enabled as compile_enabled
 
+    from parallel.fp8 import apply_fp8, reuse_fp8_weights
+
     from .cuda_autocast import CudaAutocastPolicy
+    from .roofline_fp8 import fp8_kernels
     from .roofline_loss import head_losses
     t = cfg.train
     precision = Precision(t.precision)
-    if precision.fp8:
-        raise ValueError("train.precision=fp8: the roofline models the FP32 and BF16 steps; the FP8 step's Triton "
-                         "kernels have no fake-tensor model (measure it: python -m bench.gpu_suite --parts step)")
     rec = Recorder(hw)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(cfg, layers)
         apply_head_loss(model, t.head_loss)
+        if precision.fp8:
+            apply_fp8(model)
         if compile_enabled(t.compile, "cuda"):
             apply_compile(model)
         model.train()
@@ -465,14 +483,17 @@ def record_step(cfg, layers: int | None = None, micro_batches: int = 1, hw: Hard
         autocast = torch.autocast("cpu", dtype=precision.autocast or torch.bfloat16,
                                   enabled=precision.autocast is not None)
         with rec, fused_attention(rec), head_losses(rec), compiled_regions(rec), as_on_cuda(), \
-                adamw_kernel_recorded(rec):
-            for _ in range(micro_batches):
-                rec.phase = "forward"
-                with autocast, CudaAutocastPolicy():
-                    out = model.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=t.mtp_loss_weight.at(0, 0),
-                                             aux_alpha=t.aux_loss_alpha)
-                rec.phase = "backward"
-                opt.backward(out.loss / micro_batches)
+                adamw_kernel_recorded(rec), fp8_kernels(rec):
+            with reuse_fp8_weights(model), warnings.catch_warnings():   # FP8 weights quantised once per step
+                # (its cache's key reads a data pointer, which fake tensors warn about; it works as on a device)
+                warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
+                for _ in range(micro_batches):
+                    rec.phase = "forward"
+                    with autocast, CudaAutocastPolicy():
+                        out = model.compute_loss(ids[:, :-1], ids[:, 1:], mtp_weight=t.mtp_loss_weight.at(0, 0),
+                                                 aux_alpha=t.aux_loss_alpha)
+                    rec.phase = "backward"
+                    opt.backward(out.loss / micro_batches)
             rec.phase = "optimizer"
             opt.grads_finite()   # the trainer's check before the update (Trainer.check_step)
             opt.step(cfg.optim.grad_clip)
