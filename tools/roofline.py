@@ -8,7 +8,8 @@ the step issues, by phase (``forward``, ``backward``, ``optimizer``, ``other``):
 ``flop_registry``), the bytes it reads and writes in memory (its tensor inputs and outputs, views excluded), one
 kernel launch per op that is not a view, and host synchronisations (``.item()``, ``.tolist()``, ``nonzero``).
 Attention runs as one fused kernel (``F.scaled_dot_product_attention``, as CUDA runs it), not the CPU's
-decomposition.
+decomposition; with ``train.precision=fp8`` the FP8 modules' quantisers and GEMMs are the kernels CUDA's ``auto``
+backend launches (``tools/roofline_fp8.py``).
 
 Predicted time on an H100, per op: ``max(FLOPs / rate of its class, bytes / bandwidth of its class)`` plus a
 per-launch cost; the constants (``H100``) and where each comes from are listed in ``H100.sources``. The report
