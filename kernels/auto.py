@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import selfcheck
-from .reference import _b_group
+from .reference import b_group
 
 log = logging.getLogger("kernels")
 
@@ -84,7 +84,7 @@ class AutoOps:
     @staticmethod
     def gemm_key(a, b, sb, out_dtype=torch.bfloat16) -> tuple:
         """The shape class of a dense GEMM call: one engine choice per class."""
-        return ("gemm", *a.shape, b.shape[0], _b_group(b, sb), out_dtype, a.stride(), b.stride())
+        return ("gemm", *a.shape, b.shape[0], b_group(b, sb), out_dtype, a.stride(), b.stride())
 
     def grouped_gemm(self, a, sa, b, sb, tokens_per_expert, out_dtype=torch.bfloat16):
         key = ("grouped_gemm", a.shape[1], *b.shape, out_dtype, b.stride())

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, selfcheck, tuning
-from .reference import FP8_DTYPE, TILE, _b_group, cdiv
+from .reference import FP8_DTYPE, TILE, b_group, cdiv
 
 _TILE = tl.constexpr(TILE)
 WS_ENV = "DSV3_WARP_SPECIALIZE"     # "1": try the warp-specialised TMA variant first (opt-in, self-checked)
@@ -210,7 +210,7 @@ def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
     M, K = a.shape
     N = b.shape[0]
     assert sa.shape == (M, cdiv(K, TILE)), f"sa {tuple(sa.shape)} must be [M, ceil(K/128)] = [{M}, {cdiv(K, TILE)}]"
-    group = _b_group(b, sb)
+    group = b_group(b, sb)
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0 or K == 0:
         return c.zero_()

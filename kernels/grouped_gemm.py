@@ -10,7 +10,9 @@ in-kernel tensor descriptors when ``tma_ok``, masked pointer loads otherwise) an
   Fprop (b = W_e) and Dgrad (b = W_eᵀ, from ``quant_weight(transpose=True)``; scales ``s.mT``). Activations
   1×128, weights 128×128. Row tiles of BLOCK_M restart at each expert's first row, so a program never
   mixes experts; ``⌈R/BLOCK_M⌉ + E - 1`` row tiles are launched (an upper bound, no host sync) and
-  the unused ones skip the K loop and store nothing. Program order: ``gemm.tile_order`` over (row tile, column
+  the unused ones skip the K loop and store nothing. A BLOCK_M that divides 128 reads the 128-row tile table that
+  the layer's 128×1 quantiser made (``reference.table_block``): each of its tiles is ``128 / BLOCK_M`` row tiles,
+  and one table per layer is built instead of two. Program order: ``gemm.tile_order`` over (row tile, column
   tile), ``GROUP_M`` row tiles at a time (each expert's tiles are consecutive, so a group mostly shares one
   expert's weight columns in L2, and its A rows are read once instead of once per column tile); ``GROUP_M`` 0
   (the built-in) runs every row tile of a column tile before the next column tile. With TMA a tile's A box may
@@ -32,7 +34,7 @@ import triton.language as tl
 from . import selfcheck
 from .gemm import (_rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output,
                    tile_order, tma_ok)
-from .reference import TILE, _b_group, cdiv, segments, tile_table
+from .reference import TILE, b_group, cdiv, segments, table_block, tile_table
 
 _TILE = tl.constexpr(TILE)
 
@@ -41,15 +43,16 @@ _TILE = tl.constexpr(TILE)
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, row_start_ptr, row_end_ptr, expert_ptr, R, N, K,
                          row_tiles, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_sam, stride_sak, stride_sbe, stride_sbn, stride_sbk,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-                         WARP_SPECIALIZE: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SUB: tl.constexpr,
+                         TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    # Row tile t is part t % SUB of the table's tile t // SUB (SUB = table rows / BLOCK_M).
     t, pid_n = tile_order(tl.program_id(0), row_tiles, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
-    rs = tl.load(row_start_ptr + t)
-    re = tl.load(row_end_ptr + t)
+    rs = tl.load(row_start_ptr + t // SUB) + (t % SUB) * BLOCK_M
+    re = tl.load(row_end_ptr + t // SUB)
     # Unused tiles (rs == re) run no K steps and store nothing. Not an early `return`: a branch out of the
     # kernel breaks Triton's Hopper warp specialisation (task-id propagation asserts on it).
     k_tiles = tl.where(rs < re, (K + _TILE - 1) // _TILE, 0)
-    e = tl.load(expert_ptr + t).to(tl.int64)
+    e = tl.load(expert_ptr + t // SUB).to(tl.int64)
     offs_m = rs + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_m, re - 1)                              # clamp: loads in bounds, store masks
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
@@ -139,7 +142,7 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
     E, N = b.shape[:2]
     assert tokens_per_expert.shape == (E,), (tokens_per_expert.shape, E)
     assert sa.shape == (R, cdiv(K, TILE)), (sa.shape, a.shape)
-    assert sb.dim() == 3 and sb.shape[0] == E and _b_group(b, sb) == TILE, (sb.shape, b.shape)
+    assert sb.dim() == 3 and sb.shape[0] == E and b_group(b, sb) == TILE, (sb.shape, b.shape)
     c = torch.empty((R, N), dtype=out_dtype, device=a.device)
     if R == 0 or N == 0 or K == 0:
         return c.zero_()
@@ -148,13 +151,15 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
         config = default_variant("grouped_gemm", tma, a.device, self_check_gemm)
     cfg = _config(TILE, N, tma, config, grouped_order=True)
     _set_scratch_allocator(cfg)
-    tiles = tile_table(tokens_per_expert, R, cfg["BLOCK_M"], a.device)
-    row_tiles = tiles["row_start"].numel()
+    block = table_block(cfg["BLOCK_M"])
+    tiles = tile_table(tokens_per_expert, R, block, a.device)
+    sub = block // cfg["BLOCK_M"]
+    row_tiles = tiles["row_start"].numel() * sub
     grid = (row_tiles * cdiv(N, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         a, b, c, sa, sb, tiles["row_start"], tiles["row_end"], tiles["expert"], R, N, K, row_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2), **cfg)
+        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2), SUB=sub, **cfg)
     return c
 
 

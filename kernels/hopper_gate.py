@@ -114,22 +114,30 @@ def launches() -> list[Launch]:
              config=pointers)
         call("grouped wgrad, pointer path", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,
              config=pointers)
-        variants = {"gemm": ("gemm fprop", gemm.gemm, (xq, xs, wq[0], ws[0], torch.bfloat16)),
-                    "grouped_gemm": ("grouped fprop", grouped_gemm.grouped_gemm, (xq, xs, wq, ws, tpe, torch.bfloat16)),
-                    "grouped_wgrad": ("grouped wgrad", grouped_gemm.grouped_wgrad, (*dyt, *xt, tpe, torch.float32))}
-        for kernel, cfg in _tuned_h100().items():      # the H100's tuning table (kernels/tuning/), as gemm runs it
-            label, fn, args = variants[kernel]
-            call(f"{label}, H100 tuned", fn, *args, config={**gemm.VARIANTS["tma"], **cfg})
-        label, fn, args = variants["grouped_gemm"]      # the grouped program order the tuner times (GROUP_M row tiles)
-        call(f"{label}, H100 tuned, GROUP_M 8", fn, *args,
-             config={**gemm.VARIANTS["tma"], **_tuned_h100().get("grouped_gemm", {}), "GROUP_M": 8})
-        for label, fn, args in variants.values():      # the opt-in warp-specialised variant (DSV3_WARP_SPECIALIZE=1)
-            call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
+        _variant_launches(call, {
+            "gemm": ("gemm fprop", gemm.gemm, (xq, xs, wq[0], ws[0], torch.bfloat16)),
+            "grouped_gemm": ("grouped fprop", grouped_gemm.grouped_gemm, (xq, xs, wq, ws, tpe, torch.bfloat16)),
+            "grouped_wgrad": ("grouped wgrad", grouped_gemm.grouped_wgrad, (*dyt, *xt, tpe, torch.float32))})
         call("cast", quant.cast_to_e4m3, meta(T, H, dtype=torch.float32))
         _optimizer_launches(call, meta, F * H)
         call("linear fprop+wgrad, both copies in one launch", quant.quant_act_both, meta(T, H), None)
         call("experts dgrad+wgrad, both copies in one launch", quant.quant_act_both, meta(R, F), tpe)
     return out
+
+
+def _variant_launches(call, variants: dict) -> None:
+    """The GEMMs (``variants``: kernel -> (label, wrapper, args)) at the H100's tuning table's configs
+    (``kernels/tuning/``, as ``gemm`` runs them), the grouped Fprop in the program order the tuner times (GROUP_M row
+    tiles), and the opt-in warp-specialised variant (``DSV3_WARP_SPECIALIZE=1``)."""
+    from . import gemm
+    for kernel, cfg in _tuned_h100().items():
+        label, fn, args = variants[kernel]
+        call(f"{label}, H100 tuned", fn, *args, config={**gemm.VARIANTS["tma"], **cfg})
+    label, fn, args = variants["grouped_gemm"]
+    call(f"{label}, H100 tuned, GROUP_M 8", fn, *args,
+         config={**gemm.VARIANTS["tma"], **_tuned_h100().get("grouped_gemm", {}), "GROUP_M": 8})
+    for label, fn, args in variants.values():
+        call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
 
 
 def _optimizer_launches(call, meta, n: int) -> None:

@@ -164,6 +164,12 @@ def segment_tiles(counts: torch.Tensor, rows: int, block: int) -> dict[str, torc
             "tile_end": tile_end.to(i32)}
 
 
+def table_block(block_m: int) -> int:
+    """The rows per tile of the table that a kernel with ``block_m``-row tiles reads: 128 (the 128×1 quantiser's, so
+    one table serves a layer's quantiser and GEMMs) when ``block_m`` divides it, else ``block_m``."""
+    return TILE if TILE % block_m == 0 else block_m
+
+
 _TILE_TABLES: OrderedDict[tuple, tuple[torch.Tensor, dict[str, torch.Tensor]]] = OrderedDict()
 
 
@@ -234,7 +240,7 @@ def quant_act_both(x: torch.Tensor, tokens_per_expert: torch.Tensor | None = Non
 
 
 # ------------------------------------------------------------------------------------------------ GEMMs
-def _b_group(b: torch.Tensor, sb: torch.Tensor) -> int:
+def b_group(b: torch.Tensor, sb: torch.Tensor) -> int:
     """128 when ``sb`` holds 128×128 blocks of ``b``, 1 when it holds per-row 1×128 tiles."""
     N, K = b.shape[-2:]
     assert sb.shape[-1] == cdiv(K, TILE), (sb.shape, b.shape)
@@ -250,14 +256,14 @@ def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
     assert a.dtype == b.dtype == FP8_DTYPE and a.shape[1] == b.shape[1], (a.dtype, b.dtype, a.shape, b.shape)
     assert sa.shape == (a.shape[0], cdiv(a.shape[1], TILE)), (sa.shape, a.shape)
     with torch.autocast(a.device.type, enabled=False):
-        return (dequant(a, sa) @ dequant(b, sb, _b_group(b, sb)).t()).to(out_dtype)
+        return (dequant(a, sa) @ dequant(b, sb, b_group(b, sb)).t()).to(out_dtype)
 
 
 def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                  tokens_per_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Rows of expert e of ``a [R,K]`` times ``b[e]ᵀ`` (``b [E,N,K]``, 128×128 block scales)."""
     assert a.dtype == b.dtype == FP8_DTYPE and b.dim() == 3 and a.shape[1] == b.shape[2]
-    assert b.shape[0] == tokens_per_expert.numel() and _b_group(b, sb) == TILE
+    assert b.shape[0] == tokens_per_expert.numel() and b_group(b, sb) == TILE
     with torch.autocast(a.device.type, enabled=False):
         xa, wb = dequant(a, sa), dequant(b, sb, TILE)
         outs = [xe @ wb[e].t() for e, xe in enumerate(xa.split(tokens_per_expert.tolist()))]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import selfcheck
-from .reference import TILE, _b_group, cdiv
+from .reference import TILE, b_group, cdiv
 
 
 def unavailable(device: torch.device | str) -> str | None:
@@ -52,7 +52,7 @@ def gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
                          f"{a.stride()} / {b.stride()}: cuBLASLt needs K-contiguous, 16-byte-aligned rows and K a "
                          f"multiple of {TILE} (the triton backend takes any layout)")
     scale_a = sa.float().t().contiguous().t()
-    if _b_group(b, sb) == TILE:
+    if b_group(b, sb) == TILE:
         sbc = sb.float().contiguous()
         pad = -sbc.shape[1] % 4
         scale_b, recipe_b = (F.pad(sbc, (0, pad)) if pad else sbc).t(), F.ScalingType.BlockWise128x128

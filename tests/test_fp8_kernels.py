@@ -373,6 +373,25 @@ def test_grouped_gemm_program_order_gives_the_same_product(group_m):
         assert_gemm_close(out, ref.grouped_gemm(*a, b, sb, tpe, torch.float32))
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_grouped_gemm_reads_the_quantisers_tile_table_in_parts(block_m):
+    """BLOCK_M 32 or 64: the 128-row table that the 128×1 quantiser built, each tile read as 128 / BLOCK_M row tiles
+    (experts of 1, 5, 130 and 300 rows: parts empty, partial and full), the product the reference's; no table of its
+    own is built."""
+    counts = COUNTS["ragged"]
+    tpe = torch.tensor(counts, device=DEV)
+    (E, R), (D, F) = (tpe.numel(), sum(counts)), EXPERT_DIMS["aligned"]
+    x = rand(R, D, seed=14)
+    tquant.quant_act_t(x, tpe)
+    tables = {k for k in ref._TILE_TABLES if k[0] == id(tpe)}
+    assert {k[3] for k in tables} == {128} and ref.table_block(block_m) == 128
+    wq, ws = ref.quant_weight(rand(E, F, D, seed=15))
+    a = ref.quant_act(x)
+    out = tgrouped.grouped_gemm(*a, wq, ws, tpe, torch.float32, config={"BLOCK_M": block_m, "GROUP_M": 3})
+    assert_gemm_close(out, ref.grouped_gemm(*a, wq, ws, tpe, torch.float32))
+    assert {k for k in ref._TILE_TABLES if k[0] == id(tpe)} == tables
+
+
 # ------------------------------------------------------------------------------- 128-element promotion
 def truncate_mantissa(x: torch.Tensor, bits: int = 13) -> torch.Tensor:
     """Round FP32 toward zero to ``bits`` explicit mantissa bits (14 significant: Hopper FP8 accumulation)."""

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from kernels.reference import FP8_DTYPE, TILE, _b_group, act_t_tiles, cdiv, tile_table
+from kernels.reference import FP8_DTYPE, TILE, act_t_tiles, b_group, cdiv, table_block, tile_table
 
 GROUPED_BLOCK_M = 64     # the H100 tuning table's BLOCK_M for the grouped Fprop/Dgrad (kernels/tuning/)
 
@@ -76,13 +76,13 @@ class CudaFP8Ops:
     def gemm(self, a, sa, b, sb, out_dtype=torch.bfloat16):
         (M, K), N = a.shape, b.shape[0]
         c = torch.empty((M, N), dtype=out_dtype, device=a.device)
-        name = "fp8 gemm wgrad" if _b_group(b, sb) == 1 else "fp8 gemm"
+        name = "fp8 gemm wgrad" if b_group(b, sb) == 1 else "fp8 gemm"
         self._record(name, (a, sa, b, sb), (c,), 2.0 * M * N * K)
         return c
 
     def grouped_gemm(self, a, sa, b, sb, tokens_per_expert, out_dtype=torch.bfloat16):
         (R, K), N = a.shape, b.shape[1]
-        tile_table(tokens_per_expert, R, GROUPED_BLOCK_M, a.device)
+        tile_table(tokens_per_expert, R, table_block(GROUPED_BLOCK_M), a.device)
         c = torch.empty((R, N), dtype=out_dtype, device=a.device)
         self._record("fp8 grouped gemm", (a, sa, b, sb, tokens_per_expert), (c,), 2.0 * R * N * K)
         return c
