@@ -34,7 +34,7 @@ import triton.language as tl
 from . import selfcheck
 from .gemm import (_rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output,
                    tile_order, tma_ok)
-from .reference import TILE, b_group, cdiv, segments, table_block, tile_table
+from .reference import TILE, b_group, cdiv, expert_tile_bounds, table_block, tile_table
 
 _TILE = tl.constexpr(TILE)
 
@@ -184,9 +184,7 @@ def grouped_wgrad(aT: torch.Tensor, sa: torch.Tensor, bT: torch.Tensor, sb: torc
         config = default_variant("grouped_wgrad", tma, aT.device, self_check_wgrad)
     cfg = _config(N, K, tma, config, grouped_order=False)
     _set_scratch_allocator(cfg)
-    tiles = (segments(tokens_per_expert, 0, aT.device) + TILE - 1) // TILE
-    tile_end = tiles.cumsum(0).to(torch.int32)
-    tile_start = tile_end - tiles.to(torch.int32)
+    tile_start, tile_end = expert_tile_bounds(tokens_per_expert, aT.device)
     grid = (cdiv(N, cfg["BLOCK_M"]) * cdiv(K, cfg["BLOCK_N"]), E)
     _grouped_wgrad_kernel[grid](
         aT, bT, c, sa, sb, tile_start, tile_end, N, K, cols,

@@ -148,20 +148,24 @@ def segment_tiles(counts: torch.Tensor, rows: int, block: int) -> dict[str, torc
     ``tile_start``, ``tile_end`` (its tiles are ``[tile_start, tile_end)``).
     """
     E = counts.numel()
-    seg_end = counts.cumsum(0)
+    counts = counts.to(torch.int32)          # int32 throughout: one conversion, not one per result
+    seg_end = counts.cumsum(0, dtype=torch.int32)
     seg_start = seg_end - counts
-    tiles = (counts + block - 1) // block
-    tile_end = tiles.cumsum(0)
-    tile_start = tile_end - tiles
+    tile_start, tile_end = _tile_bounds(counts, block)
     n = max(cdiv(rows, block) + E - 1, 0)
-    t = torch.arange(n, device=counts.device)
-    e = torch.searchsorted(tile_end, t, right=True).clamp_(max=E - 1)
+    t = torch.arange(n, device=counts.device, dtype=torch.int32)
+    e = torch.searchsorted(tile_end, t, right=True, out_int32=True).clamp_(max=E - 1)
     row_start = seg_start[e] + (t - tile_start[e]) * block
     row_end = torch.where(t < tile_end[-1], torch.minimum(row_start + block, seg_end[e]), row_start)
-    i32 = torch.int32
-    return {"row_start": row_start.to(i32), "row_end": row_end.to(i32), "expert": e.to(i32),
-            "seg_start": seg_start.to(i32), "seg_end": seg_end.to(i32), "tile_start": tile_start.to(i32),
-            "tile_end": tile_end.to(i32)}
+    return {"row_start": row_start, "row_end": row_end, "expert": e, "seg_start": seg_start, "seg_end": seg_end,
+            "tile_start": tile_start, "tile_end": tile_end}
+
+
+def _tile_bounds(counts: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each segment's tiles of ``block`` rows, ``[tile_start, tile_end)`` (int32 counts in, int32 out)."""
+    tiles = (counts + (block - 1)) // block
+    tile_end = tiles.cumsum(0, dtype=torch.int32)
+    return tile_end - tiles, tile_end
 
 
 def table_block(block_m: int) -> int:
@@ -191,6 +195,19 @@ def tile_table(tokens_per_expert: torch.Tensor, rows: int, block: int, device: t
     if len(_TILE_TABLES) > 32:
         _TILE_TABLES.popitem(last=False)
     return table
+
+
+def expert_tile_bounds(tokens_per_expert: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's 128-row tiles ``[tile_start, tile_end)`` (int32): those of a memoised ``tile_table`` of the same
+    counts tensor (any rows; the grouped Wgrad reads the table its layer's 128×1 quantiser made), else computed."""
+    try:
+        key = (id(tokens_per_expert), tokens_per_expert._version)
+    except RuntimeError:      # inference tensors have no version counter
+        key = None
+    for (tid, version, _, block, dev), (held, table) in reversed(_TILE_TABLES.items()):
+        if (tid, version) == key and block == TILE and dev == torch.device(device) and held is tokens_per_expert:
+            return table["tile_start"], table["tile_end"]
+    return _tile_bounds(segments(tokens_per_expert, 0, device).to(torch.int32), TILE)
 
 
 def row_tiles(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

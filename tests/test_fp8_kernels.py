@@ -168,9 +168,38 @@ def test_tile_tables_are_memoised_per_counts_tensor_and_version():
     assert ref.tile_table(copy, 200, 128, copy.device) is not again
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_segment_tiles_by_definition(block):
+    """Each expert's rows in tiles of ``block`` that restart at its first row, in expert order; the unused tiles
+    after them empty (start == end); per expert its tiles' range and its rows' range. ``expert_tile_bounds`` gives
+    the 128-row tiles' ranges, from a memoised table or computed."""
+    counts, rows = [0, 130, 5, 0, 64, 1], 200
+    tpe = torch.tensor(counts, device=DEV)
+    table = {k: v.tolist() for k, v in ref.segment_tiles(tpe, rows, block).items()}
+    assert all(v.dtype == torch.int32 for v in ref.segment_tiles(tpe, rows, block).values())
+    want, first, tile = [], 0, 0
+    for e, n in enumerate(counts):
+        parts = [(first + i, min(first + i + block, first + n), e) for i in range(0, n, block)]
+        assert (table["tile_start"][e], table["tile_end"][e]) == (tile, tile + len(parts))
+        assert (table["seg_start"][e], table["seg_end"][e]) == (first, first + n)
+        want += parts
+        first, tile = first + n, tile + len(parts)
+    n_tiles = -(-rows // block) + len(counts) - 1
+    got = list(zip(table["row_start"], table["row_end"], table["expert"]))
+    assert len(got) == n_tiles and got[:len(want)] == want
+    assert all(start == end for start, end, _ in got[len(want):])
+    if block == 128:
+        ref._TILE_TABLES.clear()
+        computed = ref.expert_tile_bounds(tpe, tpe.device)
+        memoised = ref.expert_tile_bounds(tpe, tpe.device) if ref.tile_table(tpe, rows, 128, tpe.device) else None
+        assert memoised[0] is ref.tile_table(tpe, rows, 128, tpe.device)["tile_start"]
+        for bounds in (computed, memoised):
+            assert [b.tolist() for b in bounds] == [table["tile_start"], table["tile_end"]]
+
+
 @pytest.mark.skipif(ON_GPU, reason="counts the wrappers' torch ops around the interpreted kernels")
 def test_quantiser_and_grouped_wrappers_launch_no_torch_kernels(monkeypatch):
-    """Host cost: the dense 128×1 quantiser and a grouped call (reusing its tile table) launch no torch kernel."""
+    """Host cost: the dense 128×1 quantiser and the grouped calls (reusing its tile table) launch no torch kernel."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -191,10 +220,12 @@ def test_quantiser_and_grouped_wrappers_launch_no_torch_kernels(monkeypatch):
         tquant.quant_act_t(x, tpe)
         tgrouped.grouped_gemm(a, sa, b, sb, tpe, config={"TMA": False})
     assert any("cumsum" in op for op in first.ops), first.ops          # the tables were built here
+    xt = ref.quant_act_t(x, tpe)
     with Count() as again:
         tquant.quant_act_t(x)
         tquant.quant_act_t(x, tpe)
         tgrouped.grouped_gemm(a, sa, b, sb, tpe, config={"TMA": False})
+        tgrouped.grouped_wgrad(*xt, *xt, tpe, config={"TMA": False})     # the experts' tiles from the same table
     assert again.ops == [], again.ops
 
 

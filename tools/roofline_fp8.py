@@ -9,8 +9,9 @@ dtypes (no data) and records the kernels that the ``auto`` backend launches for 
   separate ones); ``quant_weight(transpose=True)``: the 128×128 quantiser, then the transpose kernel;
 - dense GEMMs: torch's blockwise ``scaled_mm`` (cuBLASLt), which ``auto`` measured fastest at every shape it
   timed; Wgrad (per-row scales on both operands) at its own rate;
-- grouped GEMMs: the Triton kernels; each layer's tile tables (``kernels.reference.tile_table``, small torch ops,
-  memoised per counts tensor) run through the recorder as the kernels' wrappers run them.
+- grouped GEMMs: the Triton kernels; each layer's tile tables (``kernels.reference.tile_table``,
+  ``expert_tile_bounds``: small torch ops, memoised per counts tensor) run through the recorder as the kernels'
+  wrappers run them.
 
 Bytes: each kernel's tensors once (inputs read, outputs written); FLOPs: ``2·M·N·K`` of a GEMM, with the grouped
 Wgrad's contraction over its tile-space columns (its padding included: the kernel multiplies it). The rates are in
@@ -22,7 +23,8 @@ import contextlib
 
 import torch
 
-from kernels.reference import FP8_DTYPE, TILE, act_t_tiles, b_group, cdiv, table_block, tile_table
+from kernels.reference import (FP8_DTYPE, TILE, act_t_tiles, b_group, cdiv, expert_tile_bounds, table_block,
+                               tile_table)
 
 GROUPED_BLOCK_M = 64     # the H100 tuning table's BLOCK_M for the grouped Fprop/Dgrad (kernels/tuning/)
 
@@ -89,6 +91,7 @@ class CudaFP8Ops:
 
     def grouped_wgrad(self, aT, sa, bT, sb, tokens_per_expert, out_dtype=torch.float32):
         (N, cols), K, E = aT.shape, bT.shape[0], tokens_per_expert.numel()
+        expert_tile_bounds(tokens_per_expert, aT.device)
         c = torch.empty((E, N, K), dtype=out_dtype, device=aT.device)
         self._record("fp8 grouped wgrad", (aT, sa, bT, sb, tokens_per_expert), (c,), 2.0 * N * K * cols)
         return c
