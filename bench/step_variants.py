@@ -11,8 +11,9 @@ against eager, M G with the FFN norms' compiled regions taking the residual add 
 (``DSV3_COMPILE_RESIDUAL=1``, opt-in until measured), N G with ``train.head_loss=inplace``, O G with
 ``optim.master=split``, P G with the dispatch's copies gathered back per token (``DSV3_GATHER_COPIES=1``), Q G with
 the combine's un-sort by a gathered backward (``DSV3_UNSORT_GATHER=1``), R G with the attention heads laid out
-``[B,T,H,.]`` (``DSV3_HEADS_BTHD=1``), S H with the Wgrad GEMMs writing BF16 (``DSV3_FP8_WGRAD_BF16=1``; all
-opt-in until measured). All but N with
+``[B,T,H,.]`` (``DSV3_HEADS_BTHD=1``), S H with the Wgrad GEMMs writing BF16 (``DSV3_FP8_WGRAD_BF16=1``), T H with
+the grouped GEMMs reading the quantiser's tile table in parts (``DSV3_FP8_SHARED_TILES=1``; all opt-in until
+measured). All but N with
 the fused head (``train.head_loss=fused``), batch 4 x 2048 unless stated, random tokens
 (``bench.train_check.measure_step``). Prints per variant: median step, the host's enqueue time (a step whose host
 time is close to its wall time is host-bound), MFU, tokens/s, peak memory, loss, the top GPU kernels of one
@@ -58,6 +59,8 @@ VARIANTS = {   # key: (label, precision, train.compile, adamw, batch, optim.mome
           True),
     "S": ("H with the Wgrad GEMMs writing the BF16 weights' gradients (DSV3_FP8_WGRAD_BF16=1)", "fp8", "auto", "auto",
           4, "auto", True),
+    "T": ("H with the grouped GEMMs reading the quantiser's tile table in parts (DSV3_FP8_SHARED_TILES=1)", "fp8",
+          "auto", "auto", 4, "auto", True),
 }
 HEAD_LOSS = {"N": "inplace"}   # train.head_loss of a variant; the others run the trainer's default, fused
 MASTER = {"O": "split"}        # optim.master of a variant; the others: fp32
@@ -65,11 +68,12 @@ MASTER = {"O": "split"}        # optim.master of a variant; the others: fp32
 # a change that a GPU timed faster and right becomes the default, and its variant leaves this list.
 PENDING = ("M", "N", "O", "P", "Q", "R")
 # The same for the FP8 step, against H (``--variants pending-fp8``: H and these).
-PENDING_FP8 = ("S",)
+PENDING_FP8 = ("S", "T")
 # Environment of a variant (kernels.quant.FUSED_ENV, TRANSPOSE_ENV, parallel.compile.CHECK_ENV), restored after it
 ENV = {"J": {"DSV3_FUSED_QUANT": "1"}, "K": {"DSV3_FP8_TRANSPOSE": "0"}, "L": {"DSV3_COMPILE_CHECK": "1"},
        "M": {"DSV3_COMPILE_RESIDUAL": "1"}, "P": {"DSV3_GATHER_COPIES": "1"}, "Q": {"DSV3_UNSORT_GATHER": "1"},
-       "R": {"DSV3_HEADS_BTHD": "1"}, "S": {"DSV3_FP8_WGRAD_BF16": "1"}}
+       "R": {"DSV3_HEADS_BTHD": "1"}, "S": {"DSV3_FP8_WGRAD_BF16": "1"},
+       "T": {"DSV3_FP8_SHARED_TILES": "1"}}
 
 
 @contextlib.contextmanager

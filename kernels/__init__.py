@@ -26,6 +26,9 @@ import types
 import torch
 
 BACKENDS = ("auto", "triton", "torch", "emulation")
+# "1": the Wgrad GEMMs write a BF16 weight's gradient themselves (parallel/fp8.py), instead of FP32 and a cast after
+# them; the same bits. Opt-in until a GPU has timed it; the grouped Wgrad's self-check covers BF16 out only then.
+WGRAD_BF16_ENV = "DSV3_FP8_WGRAD_BF16"
 
 
 def configure(interpret: bool | None = None) -> bool:

@@ -66,20 +66,13 @@ def round_output(acc, c_ptr):
 
 @triton.jit
 def tile_order(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
-    """The output tile ``(pid_m, pid_n)`` of program ``pid`` in a ``grid_m × grid_n`` grid of tiles. ``GROUP_M``
-    row tiles at a time run over every column tile, column by column: programs that run together share their A
-    rows and B columns in L2. ``GROUP_M == 0``: one group of all rows (every row tile of a column tile, then the
-    next column tile)."""
-    if GROUP_M == 0:
-        pid_m = pid % grid_m
-        pid_n = pid // grid_m
-    else:
-        width = GROUP_M * grid_n
-        first_m = (pid // width) * GROUP_M
-        group_size = tl.minimum(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % group_size
-        pid_n = (pid % width) // group_size
-    return pid_m, pid_n
+    """The output tile ``(pid_m, pid_n)`` of program ``pid`` in a ``grid_m × grid_n`` grid of tiles: ``GROUP_M``
+    row tiles at a time run over every column tile, column by column, so that programs that run together share
+    their A rows and B columns in L2."""
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_size, (pid % width) // group_size
 
 
 @triton.jit

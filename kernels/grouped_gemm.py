@@ -12,9 +12,10 @@ in-kernel tensor descriptors when ``tma_ok``, masked pointer loads otherwise) an
   mixes experts; ``⌈R/BLOCK_M⌉ + E - 1`` row tiles are launched (an upper bound, no host sync) and
   the unused ones skip the K loop and store nothing. A BLOCK_M that divides 128 reads the 128-row tile table that
   the layer's 128×1 quantiser made (``reference.table_block``): each of its tiles is ``128 / BLOCK_M`` row tiles,
-  and one table per layer is built instead of two. Program order: ``gemm.tile_order`` over (row tile, column
-  tile), ``GROUP_M`` row tiles at a time (each expert's tiles are consecutive, so a group mostly shares one
-  expert's weight columns in L2, and its A rows are read once instead of once per column tile); ``GROUP_M`` 0
+  and one table per layer is built instead of two (opt-in, ``reference.SHARED_TILES_ENV``). Program order with
+  ``GROUP_M`` > 0: ``gemm.tile_order`` over (row tile, column tile), ``GROUP_M`` row tiles at a time (each
+  expert's tiles are consecutive, so a group mostly shares one expert's weight columns in L2, and its A rows are
+  read once instead of once per column tile); ``GROUP_M`` 0
   (the built-in) runs every row tile of a column tile before the next column tile. With TMA a tile's A box may
   run past its expert into the next one's rows: those output rows are never stored (rows are independent in
   Fprop/Dgrad).
@@ -27,11 +28,13 @@ in-kernel tensor descriptors when ``tma_ok``, masked pointer loads otherwise) an
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from . import selfcheck
+from . import WGRAD_BF16_ENV, selfcheck
 from .gemm import (_rand, _set_scratch_allocator, check_operands, default_variant, pick_config, round_output,
                    tile_order, tma_ok)
 from .reference import TILE, b_group, cdiv, expert_tile_bounds, table_block, tile_table
@@ -45,8 +48,13 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, row_start_ptr, row
                          stride_sam, stride_sak, stride_sbe, stride_sbn, stride_sbk,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SUB: tl.constexpr,
                          TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # Row tile t is part t % SUB of the table's tile t // SUB (SUB = table rows / BLOCK_M).
-    t, pid_n = tile_order(tl.program_id(0), row_tiles, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
+    # Row tile t is part t % SUB of the table's tile t // SUB (SUB = table rows / BLOCK_M). GROUP_M 0: the grid's
+    # two dimensions (row tiles fastest), else a 1-D grid in gemm.tile_order.
+    if GROUP_M == 0:
+        t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        t, pid_n = tile_order(tl.program_id(0), row_tiles, (N + BLOCK_N - 1) // BLOCK_N, GROUP_M)
     rs = tl.load(row_start_ptr + t // SUB) + (t % SUB) * BLOCK_M
     re = tl.load(row_end_ptr + t // SUB)
     # Unused tiles (rs == re) run no K steps and store nothing. Not an early `return`: a branch out of the
@@ -155,7 +163,7 @@ def grouped_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.T
     tiles = tile_table(tokens_per_expert, R, block, a.device)
     sub = block // cfg["BLOCK_M"]
     row_tiles = tiles["row_start"].numel() * sub
-    grid = (row_tiles * cdiv(N, cfg["BLOCK_N"]),)
+    grid = (row_tiles, cdiv(N, cfg["BLOCK_N"])) if cfg["GROUP_M"] == 0 else (row_tiles * cdiv(N, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         a, b, c, sa, sb, tiles["row_start"], tiles["row_end"], tiles["expert"], R, N, K, row_tiles,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
@@ -209,10 +217,10 @@ def self_check_gemm(variant: dict, device: torch.device) -> float:
 
 def self_check_wgrad(variant: dict, device: torch.device) -> float:
     """Worst relative error of ``grouped_wgrad`` with ``variant`` vs the reference on a small ragged problem, FP32
-    out and BF16 out (``parallel.fp8.WGRAD_BF16_ENV``)."""
+    out, and BF16 out too where that opt-in is on (``kernels.WGRAD_BF16_ENV``)."""
     from . import reference as ref
     tpe = torch.tensor(CHECK_COUNTS, device=device)
     (a, sa), (b, sb) = (ref.quant_act_t(_rand(sum(CHECK_COUNTS), n, seed=n, device=device), tpe) for n in (200, 272))
+    dtypes = (torch.float32, torch.bfloat16) if os.environ.get(WGRAD_BF16_ENV) == "1" else (torch.float32,)
     return selfcheck.worst([selfcheck.rel_err(grouped_wgrad(a, sa, b, sb, tpe, dtype, config=variant),
-                                              ref.grouped_wgrad(a, sa, b, sb, tpe, dtype))
-                            for dtype in (torch.float32, torch.bfloat16)])
+                                              ref.grouped_wgrad(a, sa, b, sb, tpe, dtype)) for dtype in dtypes])

@@ -109,7 +109,8 @@ def launches() -> list[Launch]:
         call("grouped dgrad", grouped_gemm.grouped_gemm, dyq, dys, wq_t, ws.mT, tpe, torch.bfloat16)
         dyt = call("experts wgrad", quant.quant_act_t, meta(R, F), tpe)
         call("grouped wgrad", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32)
-        call("grouped wgrad, BF16 out (DSV3_FP8_WGRAD_BF16)", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.bfloat16)
+        call("grouped wgrad, BF16 out (DSV3_FP8_WGRAD_BF16)", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe,
+             torch.bfloat16)
         call("grouped fprop, pointer path", grouped_gemm.grouped_gemm, xq, xs, wq, ws, tpe, torch.bfloat16,
              config=pointers)
         call("grouped wgrad, pointer path", grouped_gemm.grouped_wgrad, *dyt, *xt, tpe, torch.float32,
@@ -128,14 +129,25 @@ def launches() -> list[Launch]:
 def _variant_launches(call, variants: dict) -> None:
     """The GEMMs (``variants``: kernel -> (label, wrapper, args)) at the H100's tuning table's configs
     (``kernels/tuning/``, as ``gemm`` runs them), the grouped Fprop in the program order the tuner times (GROUP_M row
-    tiles), and the opt-in warp-specialised variant (``DSV3_WARP_SPECIALIZE=1``)."""
+    tiles) and reading the 128-row tile table in parts (opt-in), and the opt-in warp-specialised variant
+    (``DSV3_WARP_SPECIALIZE=1``)."""
     from . import gemm
+    from .reference import SHARED_TILES_ENV
     for kernel, cfg in _tuned_h100().items():
         label, fn, args = variants[kernel]
         call(f"{label}, H100 tuned", fn, *args, config={**gemm.VARIANTS["tma"], **cfg})
     label, fn, args = variants["grouped_gemm"]
-    call(f"{label}, H100 tuned, GROUP_M 8", fn, *args,
-         config={**gemm.VARIANTS["tma"], **_tuned_h100().get("grouped_gemm", {}), "GROUP_M": 8})
+    tuned = {**gemm.VARIANTS["tma"], **_tuned_h100().get("grouped_gemm", {})}
+    call(f"{label}, H100 tuned, GROUP_M 8", fn, *args, config={**tuned, "GROUP_M": 8})
+    saved = os.environ.get(SHARED_TILES_ENV)
+    os.environ[SHARED_TILES_ENV] = "1"
+    try:
+        call(f"{label}, H100 tuned, tile table in parts ({SHARED_TILES_ENV})", fn, *args, config=tuned)
+    finally:
+        if saved is None:
+            del os.environ[SHARED_TILES_ENV]
+        else:
+            os.environ[SHARED_TILES_ENV] = saved
     for label, fn, args in variants.values():
         call(f"{label}, warp-specialised (opt-in)", fn, *args, config=gemm.VARIANTS["tma+ws"])
 

@@ -29,6 +29,7 @@ GEMMs (FP32 accumulation; output BF16/FP32), operands are logical views, any str
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import torch
@@ -168,10 +169,16 @@ def _tile_bounds(counts: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     return tile_end - tiles, tile_end
 
 
+# "1": a grouped GEMM whose BLOCK_M divides 128 reads the layer's 128-row tile table in parts (table_block) instead
+# of building its own. Opt-in until a GPU has run the kernel's parts path.
+SHARED_TILES_ENV = "DSV3_FP8_SHARED_TILES"
+
+
 def table_block(block_m: int) -> int:
-    """The rows per tile of the table that a kernel with ``block_m``-row tiles reads: 128 (the 128×1 quantiser's, so
-    one table serves a layer's quantiser and GEMMs) when ``block_m`` divides it, else ``block_m``."""
-    return TILE if TILE % block_m == 0 else block_m
+    """The rows per tile of the table that a kernel with ``block_m``-row tiles reads: with ``SHARED_TILES_ENV``, 128
+    (the 128×1 quantiser's, so one table serves a layer's quantiser and GEMMs) when ``block_m`` divides it, else
+    ``block_m``."""
+    return TILE if os.environ.get(SHARED_TILES_ENV) == "1" and TILE % block_m == 0 else block_m
 
 
 _TILE_TABLES: OrderedDict[tuple, tuple[torch.Tensor, dict[str, torch.Tensor]]] = OrderedDict()

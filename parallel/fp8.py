@@ -36,14 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import WGRAD_BF16_ENV
 from kernels.reference import dequant
 from models.layers import SwiGLU, swiglu
 from models.moe import GroupedExperts
 
-# "1": the Wgrad GEMMs write a BF16 weight's gradient themselves, instead of FP32 and a cast to BF16 after them.
-# The same bits (the kernels round their FP32 accumulator to nearest even, as the cast does); opt-in until a GPU
-# has timed it (bench.step_variants S against H).
-WGRAD_BF16_ENV = "DSV3_FP8_WGRAD_BF16"
 LINEAR_NAMES = re.compile(r"(^|\.)(attn\.(wqkv_a|wq_b|wkv_b|wo)|ffn\.(w13|w2)|shared_experts\.(w13|w2))$")
 EXPERT_NAMES = re.compile(r"(^|\.)ffn\.experts$")
 

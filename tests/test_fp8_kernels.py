@@ -376,19 +376,16 @@ def _tile_order_kernel(out_ptr, grid_m, grid_n, GROUP_M: tl.constexpr):
     tl.store(out_ptr + 2 * pid + 1, pid_n)
 
 
-@pytest.mark.parametrize("group_m", [0, 1, 3, 4, 16])
+@pytest.mark.parametrize("group_m", [1, 3, 4, 16])
 def test_tile_order_visits_every_tile_once_in_groups(group_m):
     grid_m, grid_n = 7, 5
     out = torch.full((grid_m * grid_n, 2), -1, dtype=torch.int32, device=DEV)
     _tile_order_kernel[(grid_m * grid_n,)](out, grid_m, grid_n, GROUP_M=group_m)
     order = [tuple(t) for t in out.tolist()]
     assert sorted(order) == [(m, n) for m in range(grid_m) for n in range(grid_n)]
-    if group_m == 0:                                       # every row tile of a column tile, then the next
-        assert order == [(m, n) for n in range(grid_n) for m in range(grid_m)]
-    else:                                                  # group_m rows over every column, column by column
-        want = [(m, n) for first in range(0, grid_m, group_m)
-                for n in range(grid_n) for m in range(first, min(first + group_m, grid_m))]
-        assert order == want
+    want = [(m, n) for first in range(0, grid_m, group_m)      # group_m rows over every column, column by column
+            for n in range(grid_n) for m in range(first, min(first + group_m, grid_m))]
+    assert order == want
 
 
 @pytest.mark.parametrize("group_m", [0, 1, 3, 16])
@@ -405,10 +402,13 @@ def test_grouped_gemm_program_order_gives_the_same_product(group_m):
 
 
 @pytest.mark.parametrize("block_m", [32, 64])
-def test_grouped_gemm_reads_the_quantisers_tile_table_in_parts(block_m):
-    """BLOCK_M 32 or 64: the 128-row table that the 128×1 quantiser built, each tile read as 128 / BLOCK_M row tiles
-    (experts of 1, 5, 130 and 300 rows: parts empty, partial and full), the product the reference's; no table of its
-    own is built."""
+def test_grouped_gemm_reads_the_quantisers_tile_table_in_parts(block_m, monkeypatch):
+    """``DSV3_FP8_SHARED_TILES=1``, BLOCK_M 32 or 64: the 128-row table that the 128×1 quantiser built, each tile
+    read as 128 / BLOCK_M row tiles (experts of 1, 5, 130 and 300 rows: parts empty, partial and full), the product
+    the reference's; no table of its own is built. Off, the GEMM builds its own."""
+    monkeypatch.delenv(ref.SHARED_TILES_ENV, raising=False)
+    assert ref.table_block(block_m) == block_m                       # off by default: a table of its own
+    monkeypatch.setenv(ref.SHARED_TILES_ENV, "1")
     counts = COUNTS["ragged"]
     tpe = torch.tensor(counts, device=DEV)
     (E, R), (D, F) = (tpe.numel(), sum(counts)), EXPERT_DIMS["aligned"]

@@ -72,8 +72,9 @@ def test_hopper_compile_gate():
     # the H100 tuning table's configs (kernels/tuning/), what gemm runs there, and the grouped program order that
     # bench.fp8_tune times (GROUP_M): TMA, no warp specialisation
     tuned = [r for r in gemms if "H100 tuned" in r["name"]]
-    assert len(tuned) == 4 and all(r["TMA"] and not r["WARP_SPECIALIZE"] for r in tuned)
+    assert len(tuned) == 5 and all(r["TMA"] and not r["WARP_SPECIALIZE"] for r in tuned)
     assert any(r["name"].endswith("GROUP_M 8") and r["kernel"] == "_grouped_gemm_kernel" for r in tuned)
+    assert any("tile table in parts" in r["name"] for r in tuned)
     for r in tuned:
         assert r["tma"] and not r["setmaxnreg"] and r["warps_total"] == r["num_warps"], r
     opt_in = [r for r in gemms if "opt-in" in r["name"]]

@@ -3,6 +3,7 @@ import os
 
 from bench import step_variants as sv
 from kernels.quant import FUSED_ENV, TRANSPOSE_ENV
+from kernels.reference import SHARED_TILES_ENV
 from parallel.compile import CHECK_ENV, GATHER_ENV, HEADS_ENV, RESIDUAL_ENV, UNSORT_ENV
 from parallel.fp8 import WGRAD_BF16_ENV
 
@@ -12,7 +13,7 @@ def test_every_variant_is_complete_and_j_sets_the_fused_quantiser_only_inside(mo
     assert sv.VARIANTS["J"][1:] == sv.VARIANTS["K"][1:] == sv.VARIANTS["H"][1:]
     assert sv.ENV == {"J": {FUSED_ENV: "1"}, "K": {TRANSPOSE_ENV: "0"}, "L": {CHECK_ENV: "1"}, "M": {RESIDUAL_ENV: "1"},
                       "P": {GATHER_ENV: "1"}, "Q": {UNSORT_ENV: "1"}, "R": {HEADS_ENV: "1"},
-                      "S": {WGRAD_BF16_ENV: "1"}}
+                      "S": {WGRAD_BF16_ENV: "1"}, "T": {SHARED_TILES_ENV: "1"}}
     assert sv.VARIANTS["L"][1:] == sv.VARIANTS["M"][1:] == sv.VARIANTS["G"][1:]
     monkeypatch.delenv(FUSED_ENV, raising=False)
     with sv.variant_env("J"):
